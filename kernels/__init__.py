@@ -1,0 +1,55 @@
+"""The project's attention and MoE kernels behind one lookup: ``variants(op)`` and ``get(op, variant)``.
+
+Variants are registered by dotted path and imported on first use, so that asking for a torch
+variant never imports Triton (which must see ``TRITON_INTERPRET`` before its first import).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+OPS = ("paged_decode", "prefix_prefill", "moe")
+
+# op -> variant -> "module:function"; the first entry of each op is its float64 reference.
+_REGISTRY: dict[str, dict[str, str]] = {
+    "paged_decode": {
+        "reference": "kernels.reference:paged_decode",
+        "v1": "kernels.decode_torch:paged_decode_v1",
+        "v2": "kernels.decode_torch:paged_decode_v2",
+        "v2_layout": "kernels.decode_torch:paged_decode_v2_layout",
+        "v2_triton": "kernels.decode_triton:paged_decode_v2_triton",
+    },
+    "prefix_prefill": {
+        "reference": "kernels.reference:prefix_prefill",
+        "loop": "kernels.prefill_torch:prefix_prefill_loop",
+        "pregather": "kernels.prefill_torch:prefix_prefill_pregather",
+        "triton": "kernels.prefill_triton:prefix_prefill_triton",
+    },
+    "moe": {
+        "reference": "kernels.reference:moe",
+        "gather": "kernels.moe_torch:moe_gather",
+        "sorted": "kernels.moe_torch:moe_sorted",
+        "triton": "kernels.moe_triton:moe_triton",
+    },
+}
+
+
+class UnknownKernel(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0])
+
+
+def variants(op: str) -> list[str]:
+    """Variant names of ``op``, reference first."""
+    if op not in _REGISTRY:
+        raise UnknownKernel(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    return list(_REGISTRY[op])
+
+
+def get(op: str, variant: str) -> Callable:
+    """The callable for ``op``/``variant``; imports its module on first use."""
+    names = variants(op)
+    if variant not in names:
+        raise UnknownKernel(f"unknown variant {variant!r} of op {op!r}; known: {', '.join(names)}")
+    module, _, func = _REGISTRY[op][variant].partition(":")
+    return getattr(importlib.import_module(module), func)
