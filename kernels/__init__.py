@@ -29,6 +29,7 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "reference": "kernels.reference:moe",
         "gather": "kernels.moe_torch:moe_gather",
         "sorted": "kernels.moe_torch:moe_sorted",
+        "grouped_mm": "kernels.moe_torch:moe_grouped_mm",
         "triton": "kernels.moe_triton:moe_triton",
     },
 }

@@ -1,0 +1,160 @@
+"""Correctness of one kernel variant against the float64 reference, usable as an orchestrator probe.
+
+    python -m kernels.check --op paged_decode --variant v2_triton --device cuda --dtype bfloat16
+
+Every call draws fresh random inputs over a shape list that holds the edges where kernels break
+(partition boundaries, partial blocks, empty contexts, experts with no token, GQA 4 and 8, head
+sizes 128 and 256). The last stdout line is one JSON object: passed, worst error, where it occurred.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+import torch
+
+import kernels
+from kernels import inputs
+
+# ‖out − ref‖ / ‖ref‖ allowed per input dtype (float32: full-precision dots, no tf32)
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+GQA8 = dict(num_heads=16, num_kv_heads=2, head_size=256)
+GQA4 = dict(num_heads=8, num_kv_heads=2, head_size=128)
+
+FULL = {
+    "paged_decode": [
+        dict(seq_lens=[511, 512, 513, 8192, 8193], **GQA8),
+        dict(seq_lens=[1, 15, 17, 100, 1000, 4097], **GQA4),
+        dict(seq_lens=[33, 700, 1], block_size=32, **GQA4),
+        dict(seq_lens=[3000], num_heads=4, num_kv_heads=4, head_size=128),
+    ],
+    "prefix_prefill": [
+        dict(seqs=[(0, 100), (0, 1), (17, 50)], **GQA8),
+        dict(seqs=[(513, 64), (1000, 3), (16, 129)], **GQA4),
+        dict(seqs=[(8192, 16), (8193, 40)], **GQA8),
+        dict(seqs=[(0, 511), (31, 600)], **GQA4),
+    ],
+    "moe": [
+        dict(tokens=1, hidden=256, experts=64, intermediate=128, top_k=8),
+        dict(tokens=7, hidden=256, experts=64, intermediate=128, top_k=8, unused_experts=16),
+        dict(tokens=300, hidden=512, experts=32, intermediate=256, top_k=4, unused_experts=3),
+        dict(tokens=64, hidden=128, experts=16, intermediate=64, top_k=2, unused_experts=5),
+    ],
+}
+# Qwen3.6-35B-A3B's expert shapes are too large for a float64 CPU reference; checked on CUDA only.
+CUDA_ONLY = {"moe": [dict(tokens=64, hidden=2048, experts=256, intermediate=512, top_k=8, unused_experts=32)]}
+
+# Small enough for the Triton interpreter, still crossing blocks, partitions and GQA groups.
+SMALL = {
+    "paged_decode": [
+        dict(seq_lens=[1, 17, 40], num_heads=4, num_kv_heads=2, head_size=32),
+        dict(seq_lens=[513, 5], num_heads=8, num_kv_heads=1, head_size=16, block_size=8),
+    ],
+    "prefix_prefill": [
+        dict(seqs=[(0, 9), (17, 20), (5, 1)], num_heads=4, num_kv_heads=2, head_size=32),
+        dict(seqs=[(40, 33)], num_heads=8, num_kv_heads=1, head_size=16, block_size=8),
+    ],
+    "moe": [
+        dict(tokens=5, hidden=32, experts=8, intermediate=16, top_k=2, unused_experts=3),
+        dict(tokens=33, hidden=64, experts=6, intermediate=32, top_k=3),
+    ],
+}
+
+
+def shape_list(op: str, device: str, small: bool) -> list[dict]:
+    if small:
+        return SMALL[op]
+    return FULL[op] + (CUDA_ONLY.get(op, []) if device == "cuda" else [])
+
+
+def make_inputs(op: str, shape: dict, dtype, device) -> dict:
+    return getattr(inputs, op)(**shape, dtype=dtype, device=device)
+
+
+def as_float64(args: dict) -> dict:
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in args.items()}
+
+
+def _poison(device: str, numel: int) -> None:
+    """Leave NaN in the memory the caching allocator hands out next, so an unwritten output element shows."""
+    if device == "cuda":
+        torch.empty(numel * 2, dtype=torch.float32, device=device).fill_(float("nan"))
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def check_one(fn: Callable, reference: Callable, args: dict) -> float:
+    """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed."""
+    before = {k: v.clone() for k, v in args.items() if torch.is_tensor(v)}
+    ref_out = reference(**as_float64(args))
+    _poison(ref_out.device.type, ref_out.numel())
+    out = fn(**args)
+    for k, v in before.items():
+        if not torch.equal(v, args[k]):
+            raise AssertionError(f"input {k!r} was modified")
+    if out.shape != ref_out.shape or out.dtype != next(v for v in args.values() if torch.is_tensor(v)).dtype:
+        raise AssertionError(f"output {tuple(out.shape)} {out.dtype} does not match {tuple(ref_out.shape)}")
+    if out.data_ptr() in {v.data_ptr() for v in args.values() if torch.is_tensor(v)}:
+        raise AssertionError("output aliases an input")
+    return rel_error(out, ref_out)
+
+
+def run(op: str, variant: str, device: str = "cpu", dtype=torch.float32, small: bool = False, seed=None) -> dict:
+    fn = kernels.get(op, variant)
+    reference = kernels.get(op, "reference")
+    tol = TOLERANCE[dtype]
+    if seed is not None:
+        torch.manual_seed(seed)
+    worst, where, failure = 0.0, None, None
+    for shape in shape_list(op, device, small):
+        try:
+            err = check_one(fn, reference, make_inputs(op, shape, dtype, device))
+        except Exception as exc:  # a crash is a failed check, reported with its shape
+            failure, where, worst = f"{type(exc).__name__}: {exc}", shape, float("nan")
+            break
+        if not err <= worst:  # NaN propagates as worst
+            worst, where = err, shape
+        if not err <= tol:
+            break
+    passed = failure is None and worst <= tol
+    result = dict(op=op, variant=variant, device=device, dtype=str(dtype).removeprefix("torch."), passed=passed,
+                  worst_error=None if worst != worst else worst, tolerance=tol, worst_shape=where)
+    if failure:
+        result["error"] = failure
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kernels.check", description=__doc__.splitlines()[0])
+    p.add_argument("--op", required=True, choices=kernels.OPS)
+    p.add_argument("--variant", required=True)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--small", action="store_true", help="the small shape list (for the Triton interpreter)")
+    p.add_argument("--seed", type=int)
+    a = p.parse_args(argv)
+    try:
+        kernels.get(a.op, a.variant)
+    except (kernels.UnknownKernel, ImportError) as exc:
+        print(json.dumps(dict(op=a.op, variant=a.variant, passed=False, error=str(exc))))
+        return 2
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps(dict(op=a.op, variant=a.variant, passed=False, error="--device cuda: no CUDA device")))
+        return 2
+    dtype = DTYPES[a.dtype or ("bfloat16" if a.device == "cuda" else "float32")]
+    result = run(a.op, a.variant, a.device, dtype, a.small, a.seed)
+    print(json.dumps(result))
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Paged decode attention V2 in Triton, reading vLLM's cache layouts in place.
+
+One program takes one (sequence, kv head, split of the context) and computes all the query heads
+that share that kv head together, so each K/V tile is read once and multiplied with ``tl.dot``.
+Splits are sized so that the grid fills the GPU; a second kernel merges the splits with the
+log-sum-exp reduction of vLLM's paged_attention_v2.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import triton_env
+from kernels.decode_torch import _check
+
+import triton  # noqa: E402  (after triton_env: see its docstring)
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
+                  sq0, sq1, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sbt0, so0, so1,
+                  st0, st1, st2, sm0, sm1,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD: tl.constexpr, X: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
+                  SINGLE: tl.constexpr, PRECISION: tl.constexpr):
+    seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(LENS + seq)
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, seq_len)
+    g = tl.arange(0, GROUP_PAD)
+    head = kvh * GROUP + g
+    d = tl.arange(0, HEAD)
+    q = tl.load(Q + seq * sq0 + head[:, None] * sq1 + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    q = (q * (scale * 1.4426950408889634)).to(Q.dtype.element_ty)  # log2(e): softmax in base 2
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD], tl.float32)
+    k_col = (d // X) * sk2 + d % X  # offset of each head dim inside a block's K
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        blk = tl.load(BT + seq * sbt0 + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k = tl.load(K + blk[None, :] * sk0 + kvh * sk1 + k_col[:, None] + slot[None, :] * sk3,
+                    mask=valid[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + blk[:, None] * sv0 + kvh * sv1 + d[None, :] * sv2 + slot[:, None] * sv3,
+                    mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # empty split: nothing is stored, avoid 0/0
+    keep = (g < GROUP) & (tl.zeros([GROUP_PAD], tl.int32) + start < seq_len)
+    keep_2d = keep[:, None] & (d < HEAD)[None, :]
+    if SINGLE:
+        tl.store(OUT + seq * so0 + head[:, None] * so1 + d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
+                 mask=keep_2d)
+    else:
+        tl.store(TMP + seq * st0 + head[:, None] * st1 + split * st2 + d[None, :], acc / l_i[:, None],
+                 mask=keep_2d)
+        tl.store(MAXS + seq * sm0 + head * sm1 + split, m_i, mask=keep)
+        tl.store(SUMS + seq * sm0 + head * sm1 + split, l_i, mask=keep)
+
+
+@triton.jit
+def _reduce_kernel(LENS, OUT, TMP, MAXS, SUMS, so0, so1, st0, st1, st2, sm0, sm1,
+                   HEAD: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    used = tl.cdiv(tl.load(LENS + seq), SPLIT_LEN)
+    p = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD)
+    live = p < used
+    m = tl.load(MAXS + seq * sm0 + head * sm1 + p, mask=live, other=float("-inf"))
+    l = tl.load(SUMS + seq * sm0 + head * sm1 + p, mask=live, other=0.0)
+    w = tl.where(live, tl.exp2(m - tl.max(m, 0)) * l, 0.0)
+    o = tl.load(TMP + seq * st0 + head * st1 + p[:, None] * st2 + d[None, :], mask=live[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(OUT + seq * so0 + head * so1 + d, out.to(OUT.dtype.element_ty))
+
+
+def paged_decode_v2_triton(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
+                           block_n=64, num_warps=4, num_stages=2):
+    """``max_seq_len`` (an upper bound of ``seq_lens``) sizes the splits; by default the block table's width."""
+    block_size = _check(query, key_cache, value_cache, block_tables, seq_lens)
+    num_seqs, num_heads, head = query.shape
+    kvh = key_cache.shape[1]
+    group = num_heads // kvh
+    if head & (head - 1) or head < 16:
+        raise ValueError(f"head_size must be a power of two >= 16, got {head}")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    bound = max_seq_len or block_tables.shape[1] * block_size
+    block_n = max(16, min(block_n, triton_env.pow2(bound)))
+    want = 4 * triton_env.num_sms(query.device)  # programs that keep every SM busy with a few to spare
+    splits = max(1, min(-(-want // (num_seqs * kvh)), -(-bound // block_n)))
+    split_len = -(-(-(-bound // splits)) // block_n) * block_n
+    splits = -(-bound // split_len)
+    single = splits == 1
+    tmp = torch.empty(num_seqs, num_heads, splits, head, dtype=torch.float32, device=query.device)
+    maxs = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
+    sums = torch.empty_like(maxs)
+    _split_kernel[(num_seqs, kvh, splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, tmp, maxs, sums, scale,
+        query.stride(0), query.stride(1), *key_cache.stride()[:4], *value_cache.stride(), block_tables.stride(0),
+        out.stride(0), out.stride(1), tmp.stride(0), tmp.stride(1), tmp.stride(2), maxs.stride(0), maxs.stride(1),
+        GROUP=group, GROUP_PAD=triton_env.pow2(group, 16), HEAD=head, X=key_cache.shape[4], BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, SPLIT_LEN=split_len, SINGLE=single, PRECISION=triton_env.dot_precision(query.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    if not single:
+        _reduce_kernel[(num_seqs, num_heads)](
+            seq_lens, out, tmp, maxs, sums, out.stride(0), out.stride(1), tmp.stride(0), tmp.stride(1),
+            tmp.stride(2), maxs.stride(0), maxs.stride(1), HEAD=head, SPLIT_LEN=split_len,
+            SPLITS_PAD=triton_env.pow2(splits), num_warps=4)
+    return out

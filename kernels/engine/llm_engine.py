@@ -1,0 +1,100 @@
+"""The step API servers build on: add requests, call ``step()``, collect each step's new tokens."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernels.engine.block_manager import BlockManager
+from kernels.engine.config import EngineConfig, load_config
+from kernels.engine.model_runner import ModelRunner
+from kernels.engine.scheduler import Scheduler
+from kernels.engine.sequence import Sequence
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class LLMEngine:
+    def __init__(self, config: str | Path | dict[str, Any] | EngineConfig):
+        self.config = load_config(config)
+        self.model_runner = ModelRunner(self.config)
+        self.kernel_choice: dict[str, str] = dict(self.model_runner.kernels.choice)
+        self.scheduler = Scheduler(
+            BlockManager(self.model_runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching),
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Raise ValueError for a request the engine can never serve."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt must hold at least one token")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) + max_tokens > self.config.max_model_len:
+            raise ValueError(f"{len(prompt_token_ids)} prompt tokens + max_tokens {max_tokens} exceed "
+                             f"max-model-len {self.config.max_model_len}")
+
+    def add_request(self, prompt_token_ids: list[int], max_tokens: int, request_id: str | None = None) -> str:
+        self.check_request(prompt_token_ids, max_tokens)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, prompt_token_ids, max_tokens)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sampled = self.model_runner.run(scheduled)
+        self.scheduler.update(scheduled, sampled)
+        outputs = []
+        for item, token in zip(scheduled, sampled):
+            if token is None:
+                continue
+            seq = item.seq
+            self._generation_tokens += 1
+            if seq.num_output_tokens == 1:
+                self._prompt_tokens += seq.num_prompt_tokens
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+            outputs.append(StepOutput(seq.request_id, [token], seq.is_finished, seq.num_prompt_tokens,
+                                      seq.num_cached_tokens or 0))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its blocks; unknown or finished ids are ignored."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        s = self.scheduler.stats
+        return {"prompt_tokens": self._prompt_tokens, "generation_tokens": self._generation_tokens,
+                "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+                "preemptions": s.preemptions, "requests_finished": s.requests_finished}

@@ -1,0 +1,195 @@
+"""Owns the weights and the KV cache, turns a scheduled batch into tensors, runs the model and
+samples."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from kernels.engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
+from kernels.engine.config import EngineConfig
+from kernels.engine.kernel_choice import select_kernels
+from kernels.engine.layers.attention import PagedAttention
+from kernels.engine.layers.sampler import greedy
+from kernels.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from kernels.engine.scheduler import ScheduledSeq
+from kernels.engine.sequence import Sequence
+
+log = logging.getLogger("kernels.engine")
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # without ``kv-cache-memory`` and without a GPU to measure
+GIB = float(1 << 30)
+
+
+@contextlib.contextmanager
+def _defaults(device: torch.device, dtype: torch.dtype):
+    """Create parameters directly on ``device`` in ``dtype``: a 35B model must never pass through
+    host memory or float32."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.block_size = config.block_size
+        cfg = config.hf
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._check_weights_fit()
+        fixed_budget = self._fixed_cache_budget()
+        if fixed_budget is not None:  # fail before allocating anything
+            self._blocks_for(fixed_budget, "kv-cache-memory")
+        self.kernels = select_kernels(config, self.device, self.dtype)
+        with _defaults(self.device, self.dtype):
+            self.model = Qwen3MoeForCausalLM(cfg, self.kernels)
+        self.model.requires_grad_(False)
+        self.model.init_weights(config.seed)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if fixed_budget is None:
+            self.num_blocks = self._blocks_for(self._profile_cache_budget(), "gpu-memory-utilization")
+        else:
+            self.num_blocks = self._blocks_for(fixed_budget, "kv-cache-memory")
+        self._allocate_cache(self.num_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                 self.num_blocks * self._block_bytes() / GIB)
+
+    # ------------------------------------------------------------------ memory
+    def _element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def _block_bytes(self) -> int:
+        return self.config.hf.kv_bytes_per_token(self._element_size()) * self.block_size
+
+    def _fixed_cache_budget(self) -> int | None:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        return None if self.device.type == "cuda" else DEFAULT_CPU_KV_CACHE_MEMORY
+
+    def _check_weights_fit(self) -> None:
+        free, total = torch.cuda.mem_get_info(self.device)
+        need = self.config.hf.num_params() * self._element_size()
+        if need > free:
+            raise self.config.error(
+                "num-layers", f"the weights need {need / GIB:.1f} GiB but {self.device} has {free / GIB:.1f} GiB "
+                              f"free of {total / GIB:.1f}; lower num-layers")
+
+    def _blocks_for(self, budget: float, key: str) -> int:
+        num_blocks = max(0, int(budget // self._block_bytes()))
+        need = _cdiv(self.config.max_model_len, self.block_size)
+        if num_blocks < need:
+            raise self.config.error(
+                key, f"the KV cache would hold {num_blocks * self.block_size} tokens ({max(budget, 0) / GIB:.3f} GiB),"
+                     f" fewer than one sequence of max-model-len {self.config.max_model_len}; "
+                     f"give it more memory or lower max-model-len")
+        return num_blocks
+
+    def _profile_cache_budget(self) -> float:
+        """GPU bytes left for the cache: the ``gpu-memory-utilization`` share of the card, less
+        what is in use and the activation peak of the largest prefill the scheduler may send."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        num_blocks = _cdiv(n, self.block_size)
+        self._allocate_cache(num_blocks)
+        seq = Sequence("profile", [0] * n, 1)
+        seq.block_table = list(range(num_blocks))
+        self.run([ScheduledSeq(seq, n)])
+        self._allocate_cache(0)
+        torch.cuda.synchronize()
+        peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
+
+    def _allocate_cache(self, num_blocks: int) -> None:
+        cfg = self.config.hf
+        x = 16 // self._element_size()
+        for layer in self.attention_layers:
+            layer.key_cache = layer.value_cache = None
+        for layer in self.attention_layers:
+            layer.key_cache = torch.zeros(num_blocks, cfg.num_kv_heads, cfg.head_size // x, self.block_size, x,
+                                          dtype=self.dtype, device=self.device)
+            layer.value_cache = torch.zeros(num_blocks, cfg.num_kv_heads, cfg.head_size, self.block_size,
+                                            dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ one step
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _tables(self, seqs_blocks: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(b) for b in seqs_blocks))
+        return self._tensor([b + [0] * (width - len(b)) for b in seqs_blocks], torch.int32)
+
+    def _decode_group(self, scheduled: list[ScheduledSeq], rows: list[int], start: int) -> DecodeGroup | None:
+        if not rows:
+            return None
+        lens = [scheduled[i].seq.num_computed_tokens + 1 for i in rows]
+        tables = [scheduled[i].seq.block_table[:_cdiv(n, self.block_size)] for i, n in zip(rows, lens)]
+        return DecodeGroup(start, start + len(rows), self._tables(tables), self._tensor(lens, torch.int32))
+
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        """(input_ids, positions, metadata, sample_rows): tokens ordered short decodes, long
+        decodes, prefills; ``sample_rows`` pairs the batch row of each last token with its index
+        in ``scheduled``."""
+        bs, threshold = self.block_size, self.config.decode_long_threshold
+        short, long_, prefill = [], [], []
+        for i, item in enumerate(scheduled):
+            if item.num_new_tokens > 1:
+                prefill.append(i)
+            else:
+                (long_ if item.seq.num_computed_tokens + 1 > threshold else short).append(i)
+        ids: list[int] = []
+        positions: list[int] = []
+        blocks: list[int] = []
+        sample_rows: list[tuple[int, int]] = []
+        for i in short + long_ + prefill:
+            seq, n = scheduled[i].seq, scheduled[i].num_new_tokens
+            c = seq.num_computed_tokens
+            ids += seq.token_ids[c:c + n]
+            span = range(c, c + n)
+            positions += span
+            blocks += [seq.block_table[p // bs] for p in span]
+            if scheduled[i].samples:
+                sample_rows.append((len(ids) - 1, i))
+        pos = self._tensor(positions, torch.int64)
+        prefill_group = None
+        if prefill:
+            start = len(short) + len(long_)
+            ctx = [scheduled[i].seq.num_computed_tokens for i in prefill]
+            qsl = [0]
+            for i in prefill:
+                qsl.append(qsl[-1] + scheduled[i].num_new_tokens)
+            tables = [scheduled[i].seq.block_table[:_cdiv(c, bs)] for i, c in zip(prefill, ctx)]
+            prefill_group = PrefillGroup(start, self._tables(tables), self._tensor(qsl, torch.int32),
+                                         self._tensor(ctx, torch.int32))
+        meta = AttentionMetadata(
+            slot_blocks=self._tensor(blocks, torch.int64), slot_offsets=pos % bs,
+            decode=self._decode_group(scheduled, short, 0),
+            decode_long=self._decode_group(scheduled, long_, len(short)),
+            prefill=prefill_group)
+        return self._tensor(ids, torch.int64), pos, meta, sample_rows
+
+    @torch.no_grad()
+    def run(self, scheduled: list[ScheduledSeq]) -> list[int | None]:
+        """The sampled token of each scheduled sequence whose chunk reaches its end, else None."""
+        input_ids, positions, meta, sample_rows = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, meta)
+        out: list[int | None] = [None] * len(scheduled)
+        if sample_rows:
+            rows = self._tensor([r for r, _ in sample_rows], torch.int64)
+            for (_, i), token in zip(sample_rows, greedy(self.model.compute_logits(hidden[rows]))):
+                out[i] = token
+        return out

@@ -1,0 +1,101 @@
+"""A Qwen3-MoE / Qwen3.6-shaped decoder: GQA attention with per-head q/k RMSNorm, partial rotary
+embedding and a sigmoid output gate, then the sparse MoE with its shared expert.
+
+Every layer is full attention: Qwen3.6 interleaves Gated DeltaNet (linear attention) layers,
+which this reference engine does not implement.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.engine.attention_metadata import AttentionMetadata
+from kernels.engine.kernel_choice import Kernels
+from kernels.engine.layers.attention import PagedAttention
+from kernels.engine.layers.layernorm import RMSNorm
+from kernels.engine.layers.moe import SparseMoeBlock
+from kernels.engine.layers.rotary_embedding import RotaryEmbedding
+from kernels.engine.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_size
+        self.num_heads, self.num_kv_heads, self.head_size = cfg.num_heads, cfg.num_kv_heads, d
+        self.gated = cfg.attn_output_gate
+        self.q_width = cfg.num_heads * d * (2 if self.gated else 1)
+        self.qkv_proj = nn.Parameter(torch.empty(self.q_width + 2 * cfg.num_kv_heads * d, h))
+        self.o_proj = nn.Parameter(torch.empty(h, cfg.num_heads * d))
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, d, kernels)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t, d = x.shape[0], self.head_size
+        q, k, v = F.linear(x, self.qkv_proj).split(
+            [self.q_width, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        if self.gated:  # per head: [query | gate], as Qwen3-Next lays out q_proj
+            q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        else:
+            q = q.view(t, self.num_heads, d)
+        q = self.q_norm(q)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, d))
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q.contiguous(), k, v.reshape(t, self.num_kv_heads, d), meta)
+        if self.gated:
+            o = o * torch.sigmoid(gate)
+        return F.linear(o.reshape(t, -1), self.o_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, kernels)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size,
+                                  cfg.shared_expert_intermediate_size, cfg.norm_topk_prob, kernels)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_norm(x), meta)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states of every token."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, lm_head_scale: float = 8.0) -> None:
+        """Random weights from ``seed``: unit-variance activations through every projection, norms
+        at one, and a sharpened LM head so that greedy choices are rarely near-ties."""
+        gen = torch.Generator(device=self.embed_tokens.device)
+        gen.manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = p.shape[-1] ** -0.5
+            if name == "embed_tokens":
+                std = 1.0
+            elif name == "lm_head":
+                std *= lm_head_scale
+            p.normal_(0.0, std, generator=gen)

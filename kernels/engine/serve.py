@@ -1,0 +1,451 @@
+"""OpenAI-compatible HTTP server for the reference engine, so the serving probe can measure it
+exactly as it measures ``vllm serve``.
+
+    python -m kernels.engine.serve --config SERVE.yaml --host 127.0.0.1 --port 8000
+
+One thread owns the ``LLMEngine`` and runs its step loop: the engine is not thread-safe, and one
+loop is what lets concurrent requests share a continuous batch. Each HTTP request gets an asyncio
+queue that the engine thread feeds with that request's step outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import queue
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from kernels.engine import tokenizer
+from kernels.engine.config import ConfigError, load_config
+from kernels.engine.llm_engine import LLMEngine
+
+# engine.stats key -> (vLLM counter name without _total, help text)
+STAT_COUNTERS = {
+    "prompt_tokens": ("vllm:prompt_tokens", "Prefill tokens processed."),
+    "generation_tokens": ("vllm:generation_tokens", "Generation tokens processed."),
+    "requests_finished": ("vllm:request_success", "Requests finished."),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "preemptions": ("vllm:num_preemptions", "Requests preempted."),
+}
+
+
+class BadRequest(Exception):
+    """A client error answered with a 400 (or ``status``) and an OpenAI-style body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    body = {"error": {"message": message, "type": kind.get(status, "InternalServerError"),
+                      "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+# ---------------------------------------------------------------- the engine thread
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int
+    started: bool = False
+
+
+class EngineWorker:
+    """Runs the engine's step loop on its own thread and routes step outputs to request queues."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: BaseException | None = None
+        self.stats: dict[str, int] = dict(engine.stats)
+        self.num_running = 0
+        self.num_waiting = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, prompt: list[int], max_tokens: int, q: asyncio.Queue, index: int) -> str:
+        """Queue a request; its outputs arrive on ``q`` as ``(index, StepOutput)`` or ``(index, exc)``."""
+        request_id = uuid.uuid4().hex
+        self._inbox.put(("add", request_id, prompt, max_tokens,
+                         _Stream(asyncio.get_running_loop(), q, index)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._publish(self.engine.step())
+        except BaseException as exc:  # the engine is unusable now: fail everyone who waits
+            self.error = exc
+        finally:
+            reason = self.error or RuntimeError("server is shutting down")
+            for stream in self._streams.values():
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, reason))
+            self._streams.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            while True:
+                self._handle(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, item: tuple) -> None:
+        if item[0] == "abort":
+            if self._streams.pop(item[1], None) is not None:
+                self.engine.abort(item[1])
+                self._count()
+            return
+        _, request_id, prompt, max_tokens, stream = item
+        try:
+            self.engine.add_request(prompt, max_tokens, request_id=request_id)
+        except ValueError as exc:  # the engine's own limits, e.g. a batch budget
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                             (stream.index, BadRequest(str(exc), "prompt")))
+            return
+        self._streams[request_id] = stream
+        self._count()
+
+    def _publish(self, outputs: list) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            stream.started = True
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, out))
+        self._count()
+
+    def _count(self) -> None:
+        self.stats = dict(self.engine.stats)
+        running = sum(s.started for s in self._streams.values())
+        self.num_running, self.num_waiting = running, len(self._streams) - running
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+PromptType = StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+
+
+class CompletionRequest(BaseModel):
+    """The subset of OpenAI's completion request the engine honours; anything else is a 400."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: PromptType
+    max_tokens: StrictInt = 16
+    temperature: float = 0.0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    logprobs: None = None
+    echo: Literal[False] = False
+    seed: int | None = None
+    user: str | None = None
+
+
+class Detokenizer:
+    """Turns a growing token list into text deltas without splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def add(self, ids: list[int], final: bool) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        delta, self.sent = text[self.sent:end], max(self.sent, end)
+        return delta
+
+
+@dataclass
+class Limits:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class _Choice:
+    prompt: list[int]
+    detok: Detokenizer
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    cached: int = 0
+    finished: bool = False
+
+    def finish_reason(self) -> str | None:
+        if not self.finished:
+            return None
+        return "length" if len(self.token_ids) >= self.max_tokens else "stop"
+
+
+def _prompts(req: CompletionRequest, tokenizer: Any, limits: Limits) -> list[list[int]]:
+    raw = req.prompt
+    batch = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
+    if not batch:
+        raise BadRequest("prompt must not be empty", "prompt")
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+    for i, ids in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise BadRequest(f"{where} must not be empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise BadRequest(f"{where} holds token id {bad[0]} outside the vocabulary "
+                             f"[0, {limits.vocab_size})", "prompt")
+        if len(ids) + req.max_tokens > limits.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+                f"you requested {len(ids) + req.max_tokens} tokens ({len(ids)} in {where}, "
+                f"{req.max_tokens} in the completion). Please reduce the length of the prompt "
+                f"or completion.", "max_tokens" if len(ids) < limits.max_model_len else "prompt")
+    return prompts
+
+
+def _validate(body: bytes, limits: Limits) -> CompletionRequest:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    try:
+        req = CompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["loc"][:1] == ("prompt",) and err["type"] != "missing":
+            raise BadRequest("prompt must be a string, a list of token ids, or a list of either",
+                             "prompt") from None
+        loc = ".".join(str(p) for p in err["loc"])
+        raise BadRequest(f"{loc or 'body'}: {err['msg']}", loc or None) from None
+    if req.model is not None and req.model != limits.model_name:
+        raise BadRequest(f"The model `{req.model}` does not exist.", "model", status=404)
+    if req.temperature != 0.0:
+        raise BadRequest("only greedy decoding is served: temperature must be 0", "temperature")
+    if req.max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
+    return req
+
+
+def _usage(choices: list[_Choice]) -> dict:
+    prompt = sum(len(c.prompt) for c in choices)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached for c in choices)}}
+
+
+# ---------------------------------------------------------------- the app
+
+
+def build_app(engine: Any, tokenizer: Any, limits: Limits) -> FastAPI:
+    """The HTTP app around ``engine`` (anything with the ``LLMEngine`` step API)."""
+    worker = EngineWorker(engine)
+    registry = CollectorRegistry()
+    labels = {"model_name": limits.model_name}
+    ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                     ["model_name"], registry=registry).labels(**labels)
+    e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                    ["model_name"], registry=registry).labels(**labels)
+
+    class EngineCollector:
+        def collect(self):
+            stats = worker.stats
+            for key, (name, doc) in STAT_COUNTERS.items():
+                if key in stats:
+                    family = CounterMetricFamily(name, doc, labels=["model_name"])
+                    family.add_metric([limits.model_name], stats[key])
+                    yield family
+            for name, value, doc in (
+                ("vllm:num_requests_running", worker.num_running, "Requests producing tokens."),
+                ("vllm:num_requests_waiting", worker.num_waiting, "Requests not yet started."),
+            ):
+                family = GaugeMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([limits.model_name], value)
+                yield family
+
+    registry.register(EngineCollector())
+
+    async def lifespan(_app: FastAPI):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
+        return error_response(str(exc), exc.status, exc.param)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not worker.alive:
+            return error_response(f"engine stopped: {worker.error!r}", 503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": limits.model_name, "object": "model", "created": 0, "owned_by": "kernels.engine",
+            "root": limits.model_name, "max_model_len": limits.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = _validate(await request.body(), limits)
+        prompts = _prompts(req, tokenizer, limits)
+        if not worker.alive:
+            return error_response(f"engine stopped: {worker.error!r}", 503)
+        start = time.monotonic()
+        q: asyncio.Queue = asyncio.Queue()
+        choices = [_Choice(p, Detokenizer(tokenizer), req.max_tokens) for p in prompts]
+        ids = [worker.submit(p, req.max_tokens, q, i) for i, p in enumerate(prompts)]
+        head = {"id": f"cmpl-{ids[0]}", "object": "text_completion", "created": int(time.time()),
+                "model": limits.model_name}
+
+        async def events():
+            """Yields (choice index, text delta) until every choice has finished."""
+            first = True
+            while not all(c.finished for c in choices):
+                index, item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if first:
+                    ttft.observe(time.monotonic() - start)
+                    first = False
+                choice = choices[index]
+                choice.token_ids += item.new_token_ids
+                choice.cached, choice.finished = item.num_cached_tokens, item.finished
+                yield index, choice.detok.add(item.new_token_ids, item.finished), item
+            e2e.observe(time.monotonic() - start)
+
+        def abort_unfinished() -> None:
+            for rid, choice in zip(ids, choices):
+                if not choice.finished:
+                    worker.abort(rid)
+
+        def choice_body(index: int, text: str, token_ids: list[int]) -> dict:
+            choice = choices[index]
+            body = {"index": index, "text": text, "logprobs": None,
+                    "finish_reason": choice.finish_reason()}
+            if req.return_token_ids:
+                body["token_ids"] = token_ids
+                body["prompt_token_ids"] = choice.prompt
+            return body
+
+        if not req.stream:
+            try:
+                async for _ in events():
+                    pass
+            except BadRequest as exc:
+                return error_response(str(exc), exc.status, exc.param)
+            except Exception as exc:
+                return error_response(f"engine failed: {exc!r}", 500)
+            finally:
+                abort_unfinished()
+            texts = [c.detok.tokenizer.decode(c.token_ids) for c in choices]
+            return JSONResponse({**head, "choices": [
+                choice_body(i, t, c.token_ids) for i, (t, c) in enumerate(zip(texts, choices))],
+                "usage": _usage(choices)})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def sse():
+            try:
+                async for index, text, out in events():
+                    chunk = {**head, "choices": [choice_body(index, text, out.new_token_ids)]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                if include_usage:
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(choices)})}\n\n"
+            except Exception as exc:  # headers are sent: report in-band, as vLLM does
+                status = exc.status if isinstance(exc, BadRequest) else 500
+                err = {"error": {"message": str(exc) or repr(exc), "code": status}}
+                yield f"data: {json.dumps(err)}\n\n"
+            finally:
+                abort_unfinished()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    app.state.worker = worker
+    return app
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.engine.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="serve config (YAML) of the engine")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="name in /v1/models (default: the config's model)")
+    parser.add_argument("--shutdown-timeout", type=int, default=30,
+                        help="seconds SIGTERM waits for running requests before cancelling them")
+    args = parser.parse_args(argv)
+
+    try:
+        config = load_config(args.config)
+        engine = LLMEngine(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    limits = Limits(args.served_model_name or config.model, config.max_model_len, config.vocab_size)
+    disable_created_metrics()  # vLLM exposes no *_created series either
+    uvicorn.run(build_app(engine, tokenizer, limits), host=args.host, port=args.port,
+                log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Random, valid inputs for each op, shared by the checks, the benches and the tests.
+
+Block tables list blocks in a shuffled order and pad with an out-of-range block id, so a kernel that
+reads a padding entry or assumes contiguous blocks faults or fails its check.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _cache(num_blocks, kv_heads, head_size, block_size, dtype, device, gen):
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    k = torch.randn(num_blocks, kv_heads, head_size // x, block_size, x, generator=gen, device=device).to(dtype)
+    v = torch.randn(num_blocks, kv_heads, head_size, block_size, generator=gen, device=device).to(dtype)
+    return k, v
+
+
+def _tables(lens, block_size, device, gen, spare=2):
+    """(block_tables int32, num_blocks): each sequence's blocks, shuffled across the pool."""
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + spare
+    perm = torch.randperm(num_blocks, generator=gen, device=gen.device).cpu()
+    width = max(max(need, default=0), 1) + 1
+    tables = torch.full((len(lens), width), num_blocks + 1000, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[at:at + n].int()
+        at += n
+    return tables.to(device), num_blocks
+
+
+def _generator(device, seed):
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    return gen
+
+
+def paged_decode(seq_lens, num_heads=16, num_kv_heads=2, head_size=256, block_size=16, dtype=torch.float32,
+                 device="cpu", seed=None) -> dict:
+    gen = _generator(device, seed)
+    tables, num_blocks = _tables(seq_lens, block_size, device, gen)
+    k, v = _cache(num_blocks, num_kv_heads, head_size, block_size, dtype, device, gen)
+    q = torch.randn(len(seq_lens), num_heads, head_size, generator=gen, device=device).to(dtype)
+    return dict(query=q, key_cache=k, value_cache=v, block_tables=tables,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), scale=1 / math.sqrt(head_size))
+
+
+def prefix_prefill(seqs, num_heads=16, num_kv_heads=2, head_size=256, block_size=16, dtype=torch.float32,
+                   device="cpu", seed=None) -> dict:
+    """``seqs``: (context_len, new_len) per sequence."""
+    gen = _generator(device, seed)
+    ctx = [c for c, _ in seqs]
+    tables, num_blocks = _tables(ctx, block_size, device, gen)
+    k, v = _cache(num_blocks, num_kv_heads, head_size, block_size, dtype, device, gen)
+    total = sum(n for _, n in seqs)
+    starts = [0]
+    for _, n in seqs:
+        starts.append(starts[-1] + n)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    return dict(query=rand(total, num_heads, head_size), key=rand(total, num_kv_heads, head_size),
+                value=rand(total, num_kv_heads, head_size), key_cache=k, value_cache=v, block_tables=tables,
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                context_lens=torch.tensor(ctx, dtype=torch.int32, device=device), scale=1 / math.sqrt(head_size))
+
+
+def moe(tokens, hidden=2048, experts=256, intermediate=512, top_k=8, dtype=torch.float32, device="cpu", seed=None,
+        unused_experts=0) -> dict:
+    """``unused_experts``: that many experts get logits so low that no token picks them."""
+    gen = _generator(device, seed)
+
+    def rand(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    if unused_experts:
+        logits[:, torch.randperm(experts, generator=gen, device=device)[:unused_experts]] -= 1e4
+    return dict(hidden_states=rand(tokens, hidden), router_logits=logits.to(dtype),
+                w13=rand(experts, 2 * intermediate, hidden, std=hidden ** -0.5),
+                w2=rand(experts, hidden, intermediate, std=intermediate ** -0.5), top_k=top_k)

@@ -1,0 +1,78 @@
+"""Plain float64 definitions of the three ops: what every other variant is checked against.
+
+Each computes in float64 and returns the query's / hidden states' dtype, so the reference is also a
+usable (slow) variant; pass float64 inputs to get the full-precision answer.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.routing import check_moe, route
+
+
+def _context(key_cache, value_cache, table, n):
+    """The first ``n`` tokens' K and V of one sequence, [kv_heads, n, head_size] each, block by block."""
+    bs = key_cache.shape[3]
+    ks, vs = [], []
+    for i in range((n + bs - 1) // bs):
+        blk = int(table[i])
+        k = key_cache[blk].permute(0, 2, 1, 3)  # [kvh, bs, d//x, x]
+        ks.append(k.reshape(k.shape[0], bs, -1))
+        vs.append(value_cache[blk].transpose(1, 2))  # [kvh, bs, d]
+    kvh, d = value_cache.shape[1], value_cache.shape[2]
+    if not ks:
+        return (key_cache.new_zeros(kvh, 0, d, dtype=torch.float64), value_cache.new_zeros(kvh, 0, d, dtype=torch.float64))
+    return torch.cat(ks, 1)[:, :n].double(), torch.cat(vs, 1)[:, :n].double()
+
+
+def _attend(q, k, v, mask=None):
+    """softmax(q kᵀ) v for q [H, m, d] over k, v [H, n, d]; ``mask`` [m, n] True where allowed."""
+    s = q @ k.transpose(1, 2)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    num_seqs, num_heads, d = query.shape
+    group = num_heads // key_cache.shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
+    for s in range(num_seqs):
+        k, v = _context(key_cache, value_cache, block_tables[s], int(seq_lens[s]))
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        q = query[s].double()[:, None, :] * scale  # [H, 1, d]
+        out[s] = _attend(q, k, v)[:, 0]
+    return out.to(query.dtype)
+
+
+def prefix_prefill(query, key, value, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+                   block_m=None, block_n=None, num_warps=None):
+    num_heads = query.shape[1]
+    group = num_heads // key.shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
+    for s in range(len(context_lens)):
+        a, b, c = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(context_lens[s])
+        n = b - a
+        ck, cv = _context(key_cache, value_cache, block_tables[s], c)
+        k = torch.cat([ck, key[a:b].double().transpose(0, 1)], 1).repeat_interleave(group, 0)
+        v = torch.cat([cv, value[a:b].double().transpose(0, 1)], 1).repeat_interleave(group, 0)
+        q = query[a:b].double().transpose(0, 1) * scale  # [H, n, d]
+        row = torch.arange(n, device=query.device)[:, None]
+        col = torch.arange(c + n, device=query.device)[None, :]
+        out[a:b] = _attend(q, k, v, col <= c + row).transpose(0, 1)
+    return out.to(query.dtype)
+
+
+def moe(hidden_states, router_logits, w13, w2, top_k, renormalize=True):
+    """Token by token; routing is the shared float32 routing, so the experts chosen match every variant."""
+    _, _, _, inter = check_moe(hidden_states, router_logits, w13, w2, top_k)
+    weights, ids = route(router_logits, top_k, renormalize)
+    out = torch.zeros(hidden_states.shape, dtype=torch.float64, device=hidden_states.device)
+    for t in range(hidden_states.shape[0]):
+        x = hidden_states[t].double()
+        for j in range(top_k):
+            e = int(ids[t, j])
+            gate_up = w13[e].double() @ x
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(weights[t, j]) * (w2[e].double() @ act)
+    return out.to(hidden_states.dtype)

@@ -1,0 +1,118 @@
+"""Verify for max-num-seqs-256: does the KV cache hold `seqs` sequences of `tokens` tokens?
+
+The seed's arithmetic, from the model's own config rather than a constant:
+seqs x tokens x KV bytes per token (2 x attention layers x KV heads x head size x element size)
+must fit in the memory left for the KV cache. When an input is missing the check fails and says
+which one, rather than passing unverified.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
+               "fp8_e5m2": 1}
+
+
+def report(seqs: int, tokens: int, per_token: int, available: float, where: str) -> bool:
+    need = seqs * tokens * per_token
+    verdict = "fits" if need < available else "does NOT fit"
+    print(f"KV cache for {seqs} x {tokens} tokens x {per_token / 1024:.1f} KiB/token = {need / GIB:.2f} GiB "
+          f"{verdict} in {available / GIB:.2f} GiB ({where})")
+    return need < available
+
+
+def kv_cache_fits_engine(root: Path, serve_config: str, seqs: int, tokens: int) -> bool:
+    """The engine's serve config: cache memory as the engine itself will size it."""
+    import torch
+    from kernels.engine.config import load_config
+    from kernels.engine.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY
+
+    cfg = load_config(root / serve_config)
+    element = torch.empty((), dtype=cfg.torch_dtype()).element_size()
+    per_token = cfg.hf.kv_bytes_per_token(element)
+    if cfg.kv_cache_memory is not None:
+        return report(seqs, tokens, per_token, cfg.kv_cache_memory, "kv-cache-memory")
+    device = cfg.torch_device()
+    if device.type != "cuda":
+        return report(seqs, tokens, per_token, DEFAULT_CPU_KV_CACHE_MEMORY, "the engine's CPU default")
+    total = torch.cuda.get_device_properties(device).total_memory
+    weights = cfg.hf.num_params() * element
+    return report(seqs, tokens, per_token, total * cfg.gpu_memory_utilization - weights,
+                  f"{cfg.gpu_memory_utilization} x {total / GIB:.1f} GiB less {weights / GIB:.1f} GiB of weights")
+
+
+def kv_cache_fits_vllm(root: Path, serve_config: str, seqs: int, tokens: int) -> bool:
+    """A `vllm serve --config` YAML: the model's HF config.json, and the memory vLLM may give the cache."""
+    options = yaml.safe_load((root / serve_config).read_text()) or {}
+    model = os.environ.get("ORCHESTRATOR_VLLM_MODEL") or options.get("model")
+    if not model:
+        return not_verifiable(f"{serve_config} names no model")
+    folder = model_folder(str(model), root)
+    if folder is None:
+        return not_verifiable(f"the config.json of model {model!r} is neither a local folder nor in the "
+                              "Hugging Face cache; download it (huggingface-cli download) or give a local path")
+    hf = json.loads((folder / "config.json").read_text())
+    hf = hf.get("text_config", hf)
+    per_token = kv_bytes_per_token(hf, options)
+    if options.get("kv-cache-memory-bytes"):
+        return report(seqs, tokens, per_token, float(options["kv-cache-memory-bytes"]), "kv-cache-memory-bytes")
+    total = gpu_memory()
+    if total is None:
+        return not_verifiable("no GPU is visible and the serve config sets no kv-cache-memory-bytes")
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    if not weights:
+        return not_verifiable(f"no *.safetensors weights in {folder} to subtract from GPU memory")
+    util = float(options.get("gpu-memory-utilization", 0.9))
+    return report(seqs, tokens, per_token, total * util - weights,
+                  f"{util} x {total / GIB:.1f} GiB less {weights / GIB:.1f} GiB of weights")
+
+
+def not_verifiable(why: str) -> bool:
+    print(f"not verifiable: {why}")
+    return False
+
+
+def kv_bytes_per_token(hf: dict, options: dict) -> int:
+    """Only full-attention layers keep a KV cache (hybrid models list their layer types)."""
+    layers = hf["num_hidden_layers"]
+    if isinstance(hf.get("layer_types"), list):
+        layers = sum(1 for t in hf["layer_types"] if t == "full_attention")
+    elif hf.get("full_attention_interval"):
+        layers = layers // int(hf["full_attention_interval"])
+    head_size = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
+    cache_dtype = options.get("kv-cache-dtype", "auto")
+    if cache_dtype == "auto":
+        cache_dtype = options.get("dtype", "auto")
+    if cache_dtype == "auto":
+        cache_dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    if cache_dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown KV cache dtype {cache_dtype!r}")
+    return 2 * layers * kv_heads * head_size * DTYPE_BYTES[cache_dtype]
+
+
+def model_folder(model: str, base: Path) -> Path | None:
+    """A local folder holding config.json, or the newest snapshot of `org/name` in the HF cache."""
+    local = Path(model).expanduser()
+    local = local if local.is_absolute() else base / local
+    if (local / "config.json").is_file():
+        return local
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
+    snapshots = hub.expanduser() / f"models--{model.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    return found[-1].parent if found else None
+
+
+def gpu_memory() -> int | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory

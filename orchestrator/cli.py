@@ -1,0 +1,335 @@
+"""The `orchestrator` command line (typer + rich). Exit codes: 0 done, 2 bad config or manifest, 1 anything else."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from orchestrator.errors import UserError
+from orchestrator.loading import ConfigError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Applies, measures and rolls back optimizations of an LLM inference deployment.")
+plugins_app = typer.Typer(no_args_is_help=True, help="List and validate plugins.")
+app.add_typer(plugins_app, name="plugins")
+console = Console()
+err = Console(stderr=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="orchestrator.yaml (default: ./orchestrator.yaml, else the "
+                                                       "embedded default)")
+
+
+def command(fn: Callable) -> Callable:
+    """Map errors to the documented exit codes."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            err.print(f"[red]error:[/] {e}", highlight=False)
+            raise typer.Exit(2)
+        except UserError as e:
+            err.print(f"[red]error:[/] {e}", highlight=False)
+            raise typer.Exit(1)
+    return wrapper
+
+
+def _project(config: Optional[Path]):
+    from orchestrator.config import load
+    return load(config)
+
+
+def _plugins(project):
+    from orchestrator.plugin import load_all
+    return load_all(project.plugins_dir, project.target.roots, project.target.vars)
+
+
+def _open(project):
+    from orchestrator.journal import Journal
+    from orchestrator.store import Store
+    store = Store(project.db_path)
+    return store, Journal(store, project.state_dir / "blobs")
+
+
+def _recover(store, journal) -> None:
+    from orchestrator.recovery import recover
+    for step in recover(store, journal):
+        console.print(f"recovered: [red]{step['plugin']}[/] rolled back (interrupted during {step['state']}) "
+                      f"in run {step['run_id']}", highlight=False)
+
+
+class LiveReporter:
+    """Current plugin, phase, probe elapsed time and output tail; one line per finished plugin."""
+
+    def __init__(self, live: Live | None):
+        self.live, self.plugin, self.phase_name, self.started = live, "", "", time.monotonic()
+
+    def phase(self, plugin: str, phase: str) -> None:
+        self.plugin, self.phase_name, self.started = plugin, phase, time.monotonic()
+        self._show(0.0, "")
+
+    def tick(self, elapsed: float, tail: str) -> None:
+        self._show(elapsed, tail)
+
+    def _show(self, elapsed: float, tail: str) -> None:
+        if self.live is None:
+            return
+        text = Text.assemble((f"{self.plugin}", "bold"), f"  {self.phase_name}  {elapsed:5.1f}s")
+        last = [ln for ln in tail.splitlines() if ln.strip()][-3:]
+        if last:
+            text.append("\n" + "\n".join("  │ " + ln[:150] for ln in last), style="dim")
+        self.live.update(text)
+
+    def outcome(self, plugin: str, outcome: str, reason: str | None, gain: float | None) -> None:
+        colour = {"kept": "green", "rolled_back": "red", "skipped": "yellow"}[outcome]
+        extra = "" if gain is None else f"  gain {gain:+.2%}"
+        (self.live.console if self.live else console).print(
+            f"[{colour}]{outcome:<11}[/] {plugin}  {reason or ''}{extra}", highlight=False)
+
+
+def _ids(value: Optional[List[str]]) -> set[str]:
+    return {i for v in value or [] for i in v.split(",") if i}
+
+
+@app.command()
+@command
+def run(config: Optional[Path] = ConfigOpt,
+        only: Optional[List[str]] = typer.Option(None, help="stage only these plugin ids (repeat or comma-separate)"),
+        skip: Optional[List[str]] = typer.Option(None, help="do not stage these plugin ids")) -> None:
+    """Measure the baseline, then stage every plugin in order: keep what helps, roll back the rest."""
+    from orchestrator.lock import state_lock
+    from orchestrator.stage import Interrupted, Stager
+    from orchestrator.status import status_data, steps_table
+    project = _project(config)
+    plugins = _plugins(project)
+    only_ids, skip_ids = _ids(only), _ids(skip)
+    unknown = (only_ids | skip_ids) - {p.id for p in plugins}
+    if unknown:
+        raise ConfigError(project.plugins_dir, "--only/--skip", f"unknown plugin id(s): {', '.join(sorted(unknown))}")
+    with state_lock(project.state_dir):
+        store, journal = _open(project)
+        _recover(store, journal)
+        project.target.prepare()
+
+        def stop(signum, frame):
+            raise Interrupted(f"signal {signum}")
+        signal.signal(signal.SIGTERM, stop)
+        live = Live(console=console, transient=True, refresh_per_second=8) if console.is_terminal else None
+        stager = Stager(project, plugins, store, journal, LiveReporter(live))
+        try:
+            if live:
+                with live:
+                    run_id = stager.run(only_ids, skip_ids)
+            else:
+                run_id = stager.run(only_ids, skip_ids)
+        except (KeyboardInterrupt, Interrupted):
+            raise UserError("interrupted; the unfinished plugin was rolled back and the run recorded as interrupted")
+        data = status_data(store, run_id)
+        console.print(steps_table(data))
+        if data["run"]["status"] != "finished":
+            raise UserError(f"run {run_id} {data['run']['status']}: {data['run']['detail']}")
+
+
+@app.command()
+@command
+def status(config: Optional[Path] = ConfigOpt,
+           json_out: bool = typer.Option(False, "--json", help="machine-readable, as documented"),
+           run_id: Optional[int] = typer.Option(None, "--run", help="a run id (default: the latest run)"),
+           runs: bool = typer.Option(False, "--runs", help="list all runs")) -> None:
+    """Outcomes of the latest run (works while a run is going)."""
+    from orchestrator.status import runs_table, status_data, steps_table
+    from orchestrator.store import Store
+    project = _project(config)
+    if not project.db_path.exists():
+        raise UserError(f"no runs recorded yet in {project.state_dir}")
+    store = Store(project.db_path, readonly=True)
+    if runs:
+        if json_out:
+            print(json.dumps(store.runs(), indent=1, default=str))
+        else:
+            console.print(runs_table(store))
+        return
+    data = status_data(store, run_id)
+    if data is None:
+        raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")
+    if json_out:
+        print(json.dumps(data, indent=1, default=str))
+    else:
+        if data["baseline"]:
+            console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in data["baseline"].items()),
+                          highlight=False)
+        console.print(steps_table(data))
+
+
+@app.command()
+@command
+def plan(config: Optional[Path] = ConfigOpt) -> None:
+    """The ordered plan, preconditions and the diff each plugin would make. Changes nothing."""
+    from orchestrator.journal import Journal
+    from orchestrator.plan import build_plan
+    from orchestrator.store import Store
+    project = _project(config)
+    plugins = _plugins(project)
+    kept: set[str] = set()
+    if project.db_path.exists():
+        store = Store(project.db_path, readonly=True)
+        kept = set(store.deployed())
+    for i, item in enumerate(build_plan(project, plugins, kept), 1):
+        m = item.plugin.manifest
+        head = f"[bold]{i}. {m.id}[/] (order {m.order})" + (f" – {m.description}" if m.description else "")
+        console.print(head, highlight=False, soft_wrap=True)
+        if m.id in kept:
+            console.print("   kept earlier: staged again only if its files changed since", highlight=False)
+        for note in item.notes:
+            console.print(f"   {note}", highlight=False, soft_wrap=True)
+        if item.skipped:
+            console.print(f"   [yellow]would be skipped: {item.skipped}[/]", highlight=False)
+        for diff in item.diffs:
+            console.print(Text(diff.rstrip("\n")), highlight=False, soft_wrap=True)
+
+
+@app.command()
+@command
+def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept plugins to roll back"),
+             all_: bool = typer.Option(False, "--all", help="every kept plugin, newest first"),
+             force: bool = typer.Option(False, "--force", help="overwrite files changed since they were kept"),
+             config: Optional[Path] = ConfigOpt) -> None:
+    """Undo kept plugins in reverse order, byte for byte."""
+    from orchestrator.lock import state_lock
+    from orchestrator.rollback import plan_rollback, roll_back
+    project = _project(config)
+    if not all_ and not plugin_ids:
+        raise UserError("name the plugins to roll back, or pass --all")
+    plugins = {p.id: p for p in _plugins(project)}
+    with state_lock(project.state_dir):
+        store, journal = _open(project)
+        _recover(store, journal)
+        todo = plan_rollback(store, journal, None if all_ else _ids(plugin_ids), force)
+        if not todo:
+            console.print("nothing to roll back")
+            return
+        for row in roll_back(store, journal, project, todo, plugins):
+            console.print(f"[red]rolled_back[/] {row['plugin']}", highlight=False)
+
+
+@app.command()
+@command
+def recover(config: Optional[Path] = ConfigOpt) -> None:
+    """Restore the last kept state after a crash (also done at the start of run and rollback)."""
+    from orchestrator.lock import state_lock
+    from orchestrator.recovery import recover as do_recover
+    project = _project(config)
+    if not project.db_path.exists():
+        console.print("nothing to recover")
+        return
+    with state_lock(project.state_dir):
+        store, journal = _open(project)
+        rolled = do_recover(store, journal)
+        for step in rolled:
+            console.print(f"[red]rolled_back[/] {step['plugin']}: interrupted during {step['state']} "
+                          f"(run {step['run_id']})", highlight=False)
+        if not rolled:
+            console.print("nothing to recover")
+
+
+@plugins_app.command("list")
+@command
+def plugins_list(config: Optional[Path] = ConfigOpt) -> None:
+    """Plugins in staging order."""
+    from rich.table import Table
+    project = _project(config)
+    table = Table(title=str(project.plugins_dir))
+    for col in ("order", "id", "description", "requires", "after", "targets", "params"):
+        table.add_column(col)
+    for p in _plugins(project):
+        m = p.manifest
+        table.add_row(str(m.order), m.id, m.description, ", ".join(m.requires), ", ".join(m.after),
+                      ", ".join(m.targets), str(len(p.variants)) if m.params else "")
+    console.print(table)
+
+
+@plugins_app.command("validate")
+@command
+def plugins_validate(path: Optional[Path] = typer.Argument(None, help="a plugin folder, its plugin.yaml, or a "
+                                                                      "folder of plugins (default: the config's)"),
+                     config: Optional[Path] = ConfigOpt) -> None:
+    """Validate manifests against the schema and the target; exit 2 on the first error."""
+    from orchestrator.plugin import MANIFEST, load_all, load_plugin
+    project = _project(config)
+    roots, variables = project.target.roots, project.target.vars
+    path = path or project.plugins_dir
+    if path.is_file():
+        path = path.parent
+    if (path / MANIFEST).is_file():
+        plugins = [load_plugin(path, roots, variables)]
+    elif path.is_dir():
+        plugins = load_all(path, roots, variables)
+    else:
+        raise ConfigError(path, None, "no such plugin folder")
+    console.print(f"ok: {len(plugins)} plugin(s) valid: {', '.join(p.id for p in plugins)}", highlight=False)
+
+
+@app.command()
+@command
+def schema() -> None:
+    """JSON Schema of plugin.yaml, for editors."""
+    from orchestrator.plugin import schema as manifest_schema
+    print(json.dumps(manifest_schema(), indent=1))
+
+
+@app.command()
+@command
+def new(plugin_id: str = typer.Argument(..., help="the new plugin's id"),
+        directory: Optional[Path] = typer.Option(None, "--dir", help="folder of plugins (default: the config's)"),
+        config: Optional[Path] = ConfigOpt) -> None:
+    """Scaffold a plugin folder with a commented plugin.yaml."""
+    from orchestrator.scaffold import scaffold
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", plugin_id):
+        raise ConfigError(None, "ID", f"{plugin_id!r} is not a valid plugin id (letters, digits, . _ -)")
+    directory = directory or _project(config).plugins_dir
+    try:
+        folder = scaffold(directory, plugin_id)
+    except FileExistsError as e:
+        raise UserError(str(e))
+    console.print(f"created {folder / 'plugin.yaml'}", highlight=False)
+
+
+@app.command()
+@command
+def report(config: Optional[Path] = ConfigOpt,
+           run_id: Optional[int] = typer.Option(None, "--run", help="a run id (default: the latest run)"),
+           out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: state/reports/run-N)")) -> None:
+    """Write a report of a run (tables and plots)."""
+    try:
+        from orchestrator.report import write_report
+    except ImportError as e:
+        raise UserError(f"reports are not available in this installation (orchestrator.report: {e})")
+    from orchestrator.store import Store
+    project = _project(config)
+    if not project.db_path.exists():
+        raise UserError(f"no runs recorded yet in {project.state_dir}")
+    store = Store(project.db_path, readonly=True)
+    run_row = store.run(run_id) if run_id is not None else store.run()
+    if run_row is None:
+        raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")
+    store.close()
+    out = out or project.state_dir / "reports" / f"run-{run_row['id']}"
+    console.print(f"wrote {write_report(project.db_path, run_row['id'], out)}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(app())

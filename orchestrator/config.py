@@ -1,0 +1,150 @@
+"""orchestrator.yaml as pydantic models, the staging policy, and the embedded default config."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from orchestrator.loading import ConfigError, read_yaml, validate
+from orchestrator.targets import Target, TargetConfig, target_class
+
+CONFIG_NAME = "orchestrator.yaml"
+EXAMPLES = Path(__file__).resolve().parent / "examples"
+
+
+class Policy(BaseModel):
+    """How a candidate is measured and judged; per-plugin `accept:` overrides any field."""
+
+    model_config = ConfigDict(extra="forbid")
+    repeats: int = Field(3, ge=1)
+    min_gain: float = Field(0.02, ge=0)
+    interleave: bool = True
+    min_pairs: int = Field(3, ge=1)
+    max_pairs: int = Field(8, ge=1)
+    confidence: float = Field(0.95, gt=0, lt=1)
+    rule: Literal["stat", "first"] = "stat"
+    on_inconclusive: Literal["rollback", "keep"] = "rollback"
+    implausible_factor: float = Field(3.0, gt=1)
+    guardrails: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "Policy":
+        if self.min_pairs > self.max_pairs:
+            raise ValueError(f"min_pairs ({self.min_pairs}) exceeds max_pairs ({self.max_pairs})")
+        return self
+
+    def merged(self, overrides: "Accept | None") -> "Policy":
+        if overrides is None:
+            return self
+        return Policy.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
+
+
+# Every policy field, optional: the per-plugin `accept:` block.
+Accept = create_model(
+    "Accept",
+    __config__=ConfigDict(extra="forbid"),
+    **{name: (Optional[f.annotation], None) for name, f in Policy.model_fields.items()},
+)
+
+
+class ProbeSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    role: Literal["correctness", "throughput"]
+    command: list[str] = Field(min_length=1)
+    timeout: float = Field(600, gt=0)
+    objective: str | None = None
+
+    @model_validator(mode="after")
+    def _objective(self) -> "ProbeSpec":
+        if self.role == "throughput" and not self.objective:
+            raise ValueError("a throughput probe needs `objective` (the JSON key to maximise)")
+        return self
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: dict[str, Any]
+    plugins: str = "plugins"
+    state: str = "state"
+    probes: list[ProbeSpec] | None = None
+    policy: Policy = Field(default_factory=Policy)
+
+    @field_validator("probes")
+    @classmethod
+    def _unique(cls, probes: list[ProbeSpec] | None) -> list[ProbeSpec] | None:
+        names = [p.name for p in probes or []]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate probe names: {', '.join(sorted(dup))}")
+        return probes
+
+
+def parse(data: Any, source: Path | str, tree: Any = None) -> tuple[Config, TargetConfig]:
+    """Validate a whole config; the `target:` section with the model of its kind."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, None, "expected a mapping at the top level")
+    config = validate(Config, data, source, tree)
+    kind = config.target.get("kind")
+    if not isinstance(kind, str):
+        raise ConfigError(source, "target.kind", "required field is missing (files, engine or vllm)")
+    return config, validate(target_class(kind, source).Config, config.target, source, tree, prefix=("target",))
+
+
+class Project:
+    """A validated config with its paths resolved against the config file's folder."""
+
+    def __init__(self, config: Config, target: TargetConfig, base_dir: Path, source: Path | None):
+        self.config = config
+        self.base_dir = base_dir.resolve()
+        self.source = source
+        self.policy = config.policy
+        self.state_dir = self._path(config.state)
+        self.plugins_dir = self._path(config.plugins)
+        self.target: Target = target_class(target.kind, source)(target, self.base_dir, self.state_dir)
+        self.probes = self._probes()
+
+    def _path(self, p: str) -> Path:
+        path = Path(p).expanduser()
+        return (path if path.is_absolute() else self.base_dir / path).resolve()
+
+    def _probes(self) -> list[ProbeSpec]:
+        if self.config.probes is not None:
+            return self.config.probes
+        specs = self.target.default_probes()
+        return [validate(ProbeSpec, s, self.source, prefix=("probes", i)) for i, s in enumerate(specs)]
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "orchestrator.db"
+
+
+def load(path: Path | None = None, cwd: Path | None = None) -> Project:
+    """`--config FILE`, else ./orchestrator.yaml, else the embedded default."""
+    cwd = (cwd or Path.cwd()).resolve()
+    if path is None:
+        candidate = cwd / CONFIG_NAME
+        if not candidate.exists():
+            return embedded_default(cwd)
+        path = candidate
+    path = Path(path).resolve()
+    data, tree = read_yaml(path)
+    return Project(*parse(data, path, tree), path.parent, path)
+
+
+def embedded_default(cwd: Path) -> Project:
+    """The config used without --config or ./orchestrator.yaml: the shipped example on a copy in ./state."""
+    state = cwd / "state"
+    data = {
+        "target": {"kind": "files", "root": str(state / "example-target"), "copy_from": str(EXAMPLES / "target")},
+        "plugins": str(EXAMPLES / "plugins"),
+        "state": str(state),
+        "probes": [
+            {"name": "answers", "role": "correctness", "command": ["python", "probes/answers.py"], "timeout": 60},
+            {"name": "speed", "role": "throughput", "command": ["python", "probes/speed.py"],
+             "timeout": 60, "objective": "tokens_per_s"},
+        ],
+        "policy": {"repeats": 3, "min_pairs": 3, "max_pairs": 4},
+    }
+    return Project(*parse(data, "<embedded default>"), EXAMPLES, None)

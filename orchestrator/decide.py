@@ -1,0 +1,314 @@
+"""Keep-or-rollback decisions from throughput samples of a baseline arm and a candidate arm.
+
+Two rules share one interface. ``first`` is the original fixed-sample rule. ``stat`` is an
+adaptive judge: it works on log ratios of the objective so that effects are relative and
+multiplicative noise is symmetric, and it stops as soon as a confidence interval of the effect
+settles the question. With interleaved arms (baseline i and candidate i measured back to back)
+each pair's log ratio cancels drift that is slow compared with one pair, so the judge uses a
+paired t interval; without interleaving it falls back to Welch's interval on the log values.
+See docs/decisions.md for why these were chosen over Mann-Whitney U.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from scipy import stats
+
+VERDICTS = ("keep", "no_gain", "regressed", "inconclusive")
+
+DEFAULTS = {
+    "repeats": 3,
+    "min_gain": 0.02,
+    "interleave": True,
+    "min_pairs": 3,
+    "max_pairs": 8,
+    "confidence": 0.95,
+    "rule": "stat",
+    "on_inconclusive": "rollback",
+    "implausible_factor": 3.0,
+    "guardrails": {},
+}
+
+
+@dataclass
+class Decision:
+    verdict: str  # one of VERDICTS
+    gain: float | None  # relative effect of the candidate: median ratio (first) or geometric-mean ratio (stat), minus 1
+    ci_low: float | None = None
+    ci_high: float | None = None
+    n_baseline: int = 0
+    n_candidate: int = 0
+    baseline_median: float | None = None
+    candidate_median: float | None = None
+    rule: str = "first"
+    notes: list[str] = field(default_factory=list)
+    confidence: float | None = None
+    min_gain: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _policy(policy: Any, name: str) -> Any:
+    """Policies come from pydantic models, namespaces or tests; missing attributes take the documented default."""
+    value = getattr(policy, name, None)
+    return DEFAULTS[name] if value is None else value
+
+
+def first_rule(baseline: Sequence[float], candidate: Sequence[float], min_gain: float) -> Decision:
+    """Keep when the median gain reaches ``min_gain`` and every candidate sample beats every baseline sample."""
+    b_med, c_med = statistics.median(baseline), statistics.median(candidate)
+    gain = (c_med - b_med) / abs(b_med) if b_med else float("inf")
+    if gain >= min_gain and min(candidate) > max(baseline):
+        verdict = "keep"
+    elif gain <= -min_gain:
+        verdict = "regressed"
+    else:
+        verdict = "no_gain"
+    return Decision(verdict, gain, n_baseline=len(baseline), n_candidate=len(candidate),
+                    baseline_median=b_med, candidate_median=c_med, rule="first", min_gain=min_gain)
+
+
+@lru_cache(maxsize=4096)
+def _t_quantile(confidence: float, df: float) -> float:
+    """Cached because the judge is called once per pair and scipy's ppf dominates its cost."""
+    return float(stats.t.ppf((1 + confidence) / 2, df))
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _logs(samples: Sequence[float], arm: str) -> np.ndarray:
+    values = np.asarray(samples, dtype=float)
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise ValueError(f"the stat rule needs positive finite objective values; {arm} arm has {list(samples)}")
+    return np.log(values)
+
+
+def paired_interval(baseline: Sequence[float], candidate: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """Mean log ratio of back-to-back pairs with its t interval; drift slower than a pair cancels out."""
+    n = min(len(baseline), len(candidate))
+    d = _logs(candidate[:n], "candidate") - _logs(baseline[:n], "baseline")
+    mean = float(d.mean())
+    if n < 2:
+        return mean, -math.inf, math.inf
+    half = _t_quantile(confidence, n - 1) * float(d.std(ddof=1)) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def welch_interval(baseline: Sequence[float], candidate: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """Difference of mean log values with Welch's interval, for arms measured one after the other."""
+    lb, lc = _logs(baseline, "baseline"), _logs(candidate, "candidate")
+    mean = float(lc.mean() - lb.mean())
+    if len(lb) < 2 or len(lc) < 2:
+        return mean, -math.inf, math.inf
+    vb, vc = lb.var(ddof=1) / len(lb), lc.var(ddof=1) / len(lc)
+    se = math.sqrt(vb + vc)
+    if se == 0:
+        return mean, mean, mean
+    df = (vb + vc) ** 2 / (vb ** 2 / (len(lb) - 1) + vc ** 2 / (len(lc) - 1))
+    half = _t_quantile(confidence, df) * se
+    return mean, mean - half, mean + half
+
+
+def verdict_for(low: float, high: float, min_gain: float) -> str | None:
+    """Map an interval of the log effect to a verdict, or None while it settles nothing.
+
+    keep: the whole interval clears log(1 + min_gain). regressed: it lies below 0 (or below
+    log(1 + min_gain) when min_gain is negative, a non-inferiority margin): the candidate is
+    slower by any amount, which stops a -5% change early. no_gain: it lies below the bar but
+    not below 0, so no number of further pairs is expected to make the candidate keepable.
+    """
+    bar = math.log1p(min_gain)
+    if low > bar:
+        return "keep"
+    if high < min(0.0, bar):
+        return "regressed"
+    if high < bar:
+        return "no_gain"
+    return None
+
+
+class Judge:
+    """Adaptive judge: called after each new pair of samples; returns None while more samples are needed.
+
+    Call ``decide`` once per new pair with ``final=True`` on the last allowed one; from
+    ``max_pairs`` on every call is final. The judge keeps no state between calls.
+    """
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.rule = _policy(policy, "rule")
+        if self.rule not in ("stat", "first"):
+            raise ValueError(f"policy.rule must be 'stat' or 'first', got {self.rule!r}")
+        self.min_gain = float(_policy(policy, "min_gain"))
+        self.confidence = float(_policy(policy, "confidence"))
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"policy.confidence must lie in (0, 1), got {self.confidence}")
+        self.min_pairs = max(2, int(_policy(policy, "min_pairs")))
+        self.max_pairs = max(self.min_pairs, int(_policy(policy, "max_pairs")))
+        self.implausible_factor = float(_policy(policy, "implausible_factor"))
+        self.interleave = bool(_policy(policy, "interleave"))
+
+    def keeps(self, decision: Decision) -> bool:
+        """Whether the deployment keeps the candidate, applying ``on_inconclusive`` (default roll back)."""
+        if decision.verdict == "inconclusive":
+            return _policy(self.policy, "on_inconclusive") == "keep"
+        return decision.verdict == "keep"
+
+    def decide(self, baseline: Sequence[float], candidate: Sequence[float], final: bool) -> Decision | None:
+        n = min(len(baseline), len(candidate))
+        if n == 0:
+            if final:
+                raise ValueError("a decision needs at least one sample in each arm")
+            return None
+        if self.rule == "first":
+            if not final and n < int(_policy(self.policy, "repeats")):
+                return None
+            return first_rule(baseline, candidate, self.min_gain)
+        final = final or n >= self.max_pairs
+        invalid = self._invalid(baseline, candidate)
+        if invalid is not None:
+            return invalid
+        if n < self.min_pairs and not final:
+            return None
+        mean, low, high = self._interval(baseline, candidate)
+        notes: list[str] = []
+        if self._implausible(mean):
+            prior = self._interval(baseline[:n - 1], candidate[:n - 1])[0] if n - 1 >= self.min_pairs else None
+            if prior is None or not self._implausible(prior):
+                if not final:
+                    return None
+                notes.append(f"implausible effect x{math.exp(mean):.3g} (factor {self.implausible_factor:g}) "
+                             "could not be re-measured: pair budget spent")
+            else:
+                notes.append(f"implausible effect x{math.exp(mean):.3g} (factor {self.implausible_factor:g}) "
+                             "held after re-measuring")
+        verdict = verdict_for(low, high, self.min_gain)
+        if verdict is None:
+            if not final:
+                return None
+            verdict = "inconclusive"
+        return Decision(
+            verdict, math.expm1(mean),
+            ci_low=math.expm1(low) if math.isfinite(low) else None,
+            ci_high=math.expm1(high) if math.isfinite(high) else None,
+            n_baseline=len(baseline), n_candidate=len(candidate),
+            baseline_median=statistics.median(baseline), candidate_median=statistics.median(candidate),
+            rule="stat", notes=notes, confidence=self.confidence, min_gain=self.min_gain)
+
+    def _invalid(self, baseline: Sequence[float], candidate: Sequence[float]) -> Decision | None:
+        """A zero or missing objective ends the comparison at once instead of crashing the log-ratio statistics:
+        in the candidate it is a regression; in the baseline the objective is not a throughput to compare."""
+        bad_b = [v for v in baseline if not _positive(v)]
+        bad_c = [v for v in candidate if not _positive(v)]
+        if not bad_b and not bad_c:
+            return None
+        if bad_b:
+            verdict, note = "inconclusive", f"baseline objective {bad_b[0]!r} is not a positive number; the stat rule " \
+                                            "compares ratios (use rule: first for other objectives)"
+        else:
+            verdict, note = "regressed", f"candidate objective fell to {bad_c[0]!r}"
+        return Decision(verdict, None, n_baseline=len(baseline), n_candidate=len(candidate), rule="stat",
+                        notes=[note], confidence=self.confidence, min_gain=self.min_gain)
+
+    def _interval(self, baseline: Sequence[float], candidate: Sequence[float]) -> tuple[float, float, float]:
+        if self.interleave:
+            return paired_interval(baseline, candidate, self.confidence)
+        return welch_interval(baseline, candidate, self.confidence)
+
+    def _implausible(self, log_effect: float) -> bool:
+        return abs(log_effect) > math.log(self.implausible_factor)
+
+
+class GuardrailError(ValueError):
+    """A guardrail expression that cannot be parsed; the message names the metric."""
+
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt, "==": operator.eq, "!=": operator.ne,
+}
+_EXPR = re.compile(r"^\s*(<=|>=|==|!=|<|>)\s*([+-])?\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(%)?\s*$")
+
+
+@dataclass(frozen=True)
+class Guardrail:
+    """``kind`` is ``relative`` (``<= +10%``: against the baseline median scaled), ``delta`` (``<= +5``:
+    against the baseline median plus a signed amount) or ``absolute`` (``<= 2048``: every candidate sample)."""
+    metric: str
+    op: str
+    kind: str
+    value: float
+    text: str
+
+    def limit(self, baseline: float | None) -> float:
+        if self.kind == "absolute":
+            return self.value
+        assert baseline is not None
+        return baseline * (1 + self.value / 100) if self.kind == "relative" else baseline + self.value
+
+
+def parse_guardrail(metric: str, expression: Any) -> Guardrail:
+    """Parse one ``metric: expression`` entry; call this when loading a config to reject bad ones early."""
+    if not isinstance(expression, str):
+        raise GuardrailError(f"guardrail {metric!r}: expression must be a string such as '<= +10%', got {expression!r}")
+    match = _EXPR.match(expression)
+    if not match:
+        raise GuardrailError(
+            f"guardrail {metric!r}: cannot parse {expression!r}; expected an operator (<=, >=, <, >, ==, !=) and a "
+            "number: '<= 2048' (absolute), '<= +10%' (relative to the baseline), '>= -5' (change from the baseline)")
+    op, sign, number, percent = match.groups()
+    value = -float(number) if sign == "-" else float(number)
+    kind = "relative" if percent else ("delta" if sign else "absolute")
+    return Guardrail(metric, op, kind, value, expression.strip())
+
+
+def parse_guardrails(guardrails: dict[str, Any] | None) -> list[Guardrail]:
+    return [parse_guardrail(metric, expr) for metric, expr in (guardrails or {}).items()]
+
+
+def _values(samples: list[dict], metric: str) -> list[float]:
+    values = []
+    for sample in samples:
+        value = sample.get(metric)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values.append(float(value))
+    return values
+
+
+def check_guardrails(guardrails: dict[str, str], baseline_metrics: list[dict], candidate_metrics: list[dict]) -> list[str]:
+    """Return one veto message per violated guardrail; an empty list lets the judge's verdict stand.
+
+    Relative and delta limits compare medians, which noise moves least; absolute limits are
+    ceilings (memory, error counts) that every candidate sample must respect. A metric the
+    probe did not report vetoes too, since an unchecked guardrail would silently pass.
+    """
+    vetoes = []
+    for rail in parse_guardrails(guardrails):
+        cand = _values(candidate_metrics, rail.metric)
+        if not cand:
+            vetoes.append(f"{rail.metric}: not reported by the candidate's probe (guardrail {rail.text!r})")
+            continue
+        if rail.kind == "absolute":
+            bad = [v for v in cand if not _OPS[rail.op](v, rail.value)]
+            if bad:
+                vetoes.append(f"{rail.metric}: candidate sample {bad[0]:g} violates {rail.text!r}")
+            continue
+        base = _values(baseline_metrics, rail.metric)
+        if not base:
+            vetoes.append(f"{rail.metric}: not reported by the baseline's probe, cannot check {rail.text!r}")
+            continue
+        b_med, c_med = statistics.median(base), statistics.median(cand)
+        limit = rail.limit(b_med)
+        if not _OPS[rail.op](c_med, limit):
+            vetoes.append(f"{rail.metric}: candidate median {c_med:g} against baseline {b_med:g} violates "
+                          f"{rail.text!r} (limit {limit:g})")
+    return vetoes

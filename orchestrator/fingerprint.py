@@ -1,0 +1,106 @@
+"""The environment a measurement was taken in, so that decisions taken elsewhere can be shown stale.
+
+Versions come from package metadata rather than imports: importing torch or vllm costs seconds
+and may initialise a GPU, and a fingerprint is taken with every measurement.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import re
+import shutil
+import socket
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+# What changes measured speed; python and platform are informative only.
+STALE_KEYS = ("host", "gpu", "gpu_driver", "cuda", "torch", "triton", "vllm", "cpu_governor")
+
+GOVERNOR = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
+NVIDIA_SMI_TIMEOUT = 10
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nvidia_smi(*args: str) -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _gpu() -> dict[str, Any]:
+    """GPU names (comma-joined when several differ), driver and the driver's CUDA version from nvidia-smi."""
+    listing = _nvidia_smi("--query-gpu=name,driver_version", "--format=csv,noheader")
+    if not listing:
+        return {"gpu": None, "gpu_count": 0, "gpu_driver": None, "cuda": None}
+    rows = [[part.strip() for part in line.split(",")] for line in listing.splitlines() if line.strip()]
+    names = sorted({row[0] for row in rows})
+    drivers = sorted({row[1] for row in rows if len(row) > 1})
+    header = _nvidia_smi() or ""
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    return {"gpu": ", ".join(names), "gpu_count": len(rows), "gpu_driver": ", ".join(drivers) or None,
+            "cuda": cuda.group(1) if cuda else None}
+
+
+def _governor() -> str | None:
+    try:
+        return GOVERNOR.read_text().strip() or None
+    except OSError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _cached() -> tuple[tuple[str, Any], ...]:
+    info = {
+        "host": socket.gethostname(),
+        **_gpu(),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "vllm": _version("vllm"),
+        "cpu_governor": _governor(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    return tuple(info.items())
+
+
+def fingerprint(refresh: bool = False) -> dict[str, Any]:
+    """The current environment; cached per process (drivers do not change under a running process)."""
+    if refresh:
+        _cached.cache_clear()
+    return dict(_cached())
+
+
+def differences(recorded: dict[str, Any] | None, current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Keys of STALE_KEYS whose values differ, as ``{key: (recorded, current)}``.
+
+    A key missing from the recorded fingerprint (taken by an older version) is unknown, not a
+    difference; no recorded fingerprint at all makes every known key differ.
+    """
+    if recorded is None:
+        return {key: (None, current.get(key)) for key in STALE_KEYS if current.get(key) is not None}
+    return {key: (recorded[key], current.get(key)) for key in STALE_KEYS
+            if key in recorded and recorded[key] != current.get(key)}
+
+
+def is_stale(recorded: dict[str, Any] | None, current: dict[str, Any] | None = None) -> bool:
+    """Whether a decision measured under ``recorded`` may not hold under ``current`` (default: now)."""
+    return bool(differences(recorded, fingerprint() if current is None else current))
+
+
+def describe(recorded: dict[str, Any] | None, current: dict[str, Any] | None = None) -> str:
+    """One line for ``status``: what changed since the decision was measured, or an empty string."""
+    diff = differences(recorded, fingerprint() if current is None else current)
+    return "; ".join(f"{key} {old} -> {new}" for key, (old, new) in diff.items())

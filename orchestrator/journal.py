@@ -1,0 +1,262 @@
+"""Content-addressed snapshots (state/blobs/<sha256>) and the per-step record of touched files.
+
+A file's pre-image is durable before the file is touched, so whatever instant the process dies at,
+`restore` can put back the last kept state. Writes to the target go through a temporary file and
+`os.replace`, so a file on disk is always one whole image.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from orchestrator.store import Store
+
+TMP_SUFFIX = ".orch-tmp"
+CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(tmp, stat.S_IMODE(mode))
+    elif path.exists():
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+    os.replace(tmp, path)
+
+
+class TouchError(Exception):
+    """A file a step wants to change cannot be snapshotted (e.g. it is a symlink or a folder)."""
+
+
+class Journal:
+    def __init__(self, store: Store, blobs: Path):
+        self.store = store
+        self.blobs = Path(blobs)
+        self.blobs.mkdir(parents=True, exist_ok=True)
+
+    # blobs
+    def put_file(self, path: Path) -> tuple[str, int]:
+        digest = sha256_file(path)
+        blob = self.blobs / digest
+        if not blob.exists():
+            tmp = self.blobs / f".{digest}{TMP_SUFFIX}"
+            with open(path, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, CHUNK)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, blob)
+            _fsync_dir(self.blobs)
+        return digest, path.stat().st_mode
+
+    def put_bytes(self, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        blob = self.blobs / digest
+        if not blob.exists():
+            write_atomic(blob, data)
+            _fsync_dir(self.blobs)
+        return digest
+
+    def blob(self, digest: str) -> bytes:
+        return (self.blobs / digest).read_bytes()
+
+    # recording, before a step touches anything
+    def track(self, step_id: int, root_name: str, root: Path, rel: str) -> None:
+        """Record the pre-image of `root/rel` (and any folders that will have to be created) once per step."""
+        known = {r["path"] for r in self.store.file_rows(step_id) if r["root"] == root_name}
+        if rel in known:
+            return
+        full = root / rel
+        if full.is_symlink():
+            raise TouchError(f"{rel}: refusing to change a symlink")
+        if full.exists() and not full.is_file():
+            raise TouchError(f"{rel}: is not a regular file")
+        rows = []
+        parent = Path(rel).parent
+        missing = []
+        while str(parent) not in ("", ".") and not (root / parent).exists():
+            missing.append(parent)
+            parent = parent.parent
+        for d in reversed(missing):
+            if str(d) not in known:
+                rows.append(dict(step_id=step_id, root=root_name, root_path=str(root), path=str(d), kind="dir"))
+        before, mode = self.put_file(full) if full.exists() else (None, None)
+        rows.append(dict(step_id=step_id, root=root_name, root_path=str(root), path=rel, kind="file",
+                         before=before, before_mode=mode))
+        self.store.db["files"].insert_all(rows)
+
+    def track_tree(self, step_id: int, root_name: str, root: Path) -> None:
+        """Record a whole root before a command or hook that may change any file in it."""
+        if any(r["root"] == root_name for r in self.store.tree_rows(step_id)):
+            return
+        manifest = self._scan(root, store=True)
+        digest = self.put_bytes(json.dumps(manifest, sort_keys=True).encode())
+        self.store.db["trees"].insert(dict(step_id=step_id, root=root_name, root_path=str(root), manifest=digest))
+
+    def _scan(self, root: Path, store: bool) -> dict:
+        files, links, dirs = {}, {}, []
+        for dirpath, dirnames, filenames in os.walk(root):
+            base = Path(dirpath)
+            for d in list(dirnames):
+                p = base / d
+                if p.is_symlink():
+                    links[str(p.relative_to(root))] = os.readlink(p)
+                    dirnames.remove(d)
+                else:
+                    dirs.append(str(p.relative_to(root)))
+            for name in filenames:
+                p = base / name
+                rel = str(p.relative_to(root))
+                if p.is_symlink():
+                    links[rel] = os.readlink(p)
+                elif p.is_file():
+                    files[rel] = list(self.put_file(p)) if store else [sha256_file(p), p.stat().st_mode]
+        return {"files": files, "links": links, "dirs": sorted(dirs)}
+
+    def seal(self, step_id: int) -> None:
+        """After apply: fold command changes into per-file rows and record every post-image."""
+        rows = {(r["root"], r["path"]): r for r in self.store.file_rows(step_id)}
+        new_rows = []
+        for tree in self.store.tree_rows(step_id):
+            root = Path(tree["root_path"])
+            pre = json.loads(self.blob(tree["manifest"]))
+            now = self._scan(root, store=False)
+            for d in sorted(set(now["dirs"]) - set(pre["dirs"])):
+                if (tree["root"], d) not in rows:
+                    new_rows.append(dict(step_id=step_id, root=tree["root"], root_path=str(root), path=d, kind="dir"))
+            for rel in sorted(set(pre["files"]) | set(now["files"])):
+                if pre["files"].get(rel) != now["files"].get(rel) and (tree["root"], rel) not in rows:
+                    before, mode = pre["files"].get(rel, (None, None))
+                    new_rows.append(dict(step_id=step_id, root=tree["root"], root_path=str(root), path=rel,
+                                         kind="file", before=before, before_mode=mode))
+        with self.store.db.atomic():
+            if new_rows:
+                self.store.db["files"].insert_all(new_rows)
+            for r in self.store.file_rows(step_id):
+                if r["kind"] != "file":
+                    continue
+                full = Path(r["root_path"]) / r["path"]
+                after, mode = self.put_file(full) if full.is_file() and not full.is_symlink() else (None, None)
+                self.store.db["files"].update(r["id"], dict(after=after, after_mode=mode, sealed=1))
+
+    # putting images on disk
+    def show(self, step_id: int, image: str) -> None:
+        """Put the step's pre- or post-images on disk; the step row says which, before any byte moves."""
+        self.store.set_step(step_id, image=image)
+        rows = self.store.file_rows(step_id)
+        files = [r for r in rows if r["kind"] == "file"]
+        dirs = [r for r in rows if r["kind"] == "dir"]
+        if image == "post":
+            for d in dirs:
+                (Path(d["root_path"]) / d["path"]).mkdir(parents=True, exist_ok=True)
+        for r in files:
+            digest, mode = (r["before"], r["before_mode"]) if image == "pre" else (r["after"], r["after_mode"])
+            self._put(Path(r["root_path"]) / r["path"], digest, mode)
+        if image == "pre":
+            for d in sorted(dirs, key=lambda r: -len(Path(r["path"]).parts)):
+                try:
+                    (Path(d["root_path"]) / d["path"]).rmdir()
+                except OSError:
+                    pass
+
+    def _put(self, path: Path, digest: str | None, mode: int | None) -> None:
+        tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
+        if tmp.exists():
+            tmp.unlink()
+        if digest is None:
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+            return
+        if path.is_file() and not path.is_symlink() and sha256_file(path) == digest:
+            if mode is not None and stat.S_IMODE(path.stat().st_mode) != stat.S_IMODE(mode):
+                os.chmod(path, stat.S_IMODE(mode))
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink() or path.is_dir():
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        write_atomic(path, self.blob(digest), mode)
+
+    def restore(self, step_id: int, exact: bool = True) -> None:
+        """Put back the state before the step; `exact` also makes recorded roots match their snapshot."""
+        self.show(step_id, "pre")
+        if not exact:
+            return
+        for tree in self.store.tree_rows(step_id):
+            self._restore_tree(Path(tree["root_path"]), json.loads(self.blob(tree["manifest"])))
+
+    def _restore_tree(self, root: Path, pre: dict) -> None:
+        now = self._scan_light(root)
+        for rel in now["files"] | now["links"]:
+            if rel not in pre["files"] and rel not in pre["links"]:
+                (root / rel).unlink()
+        for rel, target in pre["links"].items():
+            p = root / rel
+            if p.is_symlink() and os.readlink(p) == target:
+                continue
+            if p.is_symlink() or p.is_file():
+                p.unlink()
+            elif p.is_dir():
+                shutil.rmtree(p)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(target, p)
+        for rel, (digest, mode) in pre["files"].items():
+            self._put(root / rel, digest, mode)
+        for d in sorted(set(self._scan_light(root)["dirs"]) - set(pre["dirs"]), key=lambda p: -len(Path(p).parts)):
+            shutil.rmtree(root / d, ignore_errors=True)
+        for d in pre["dirs"]:
+            (root / d).mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _scan_light(root: Path) -> dict:
+        files, links, dirs = set(), set(), []
+        for dirpath, dirnames, filenames in os.walk(root):
+            base = Path(dirpath)
+            for d in list(dirnames):
+                p = base / d
+                if p.is_symlink():
+                    links.add(str(p.relative_to(root)))
+                    dirnames.remove(d)
+                else:
+                    dirs.append(str(p.relative_to(root)))
+            for name in filenames:
+                p = base / name
+                (links if p.is_symlink() else files).add(str(p.relative_to(root)))
+        return {"files": files, "links": links, "dirs": dirs}
+
+    @staticmethod
+    def current(row: dict) -> str | None:
+        full = Path(row["root_path"]) / row["path"]
+        return sha256_file(full) if full.is_file() and not full.is_symlink() else None
+
+    def drifted(self, step_id: int) -> list[str]:
+        """Files of a kept step that no longer hold what the deployment expects (the last kept post-image)."""
+        expected: dict[tuple[str, str], str | None] = {}
+        for row in self.store.deployed().values():
+            for f in self.store.file_rows(row["step_id"]):
+                if f["kind"] == "file":
+                    expected[(f["root_path"], f["path"])] = f["after"]
+        return [f["path"] for f in self.store.file_rows(step_id) if f["kind"] == "file"
+                and self.current(f) != expected.get((f["root_path"], f["path"]), f["after"])]

@@ -1,0 +1,94 @@
+"""YAML files to validated pydantic models, with errors that name the file, the field and the line."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(Exception):
+    """Bad config or manifest: the CLI exits 2 and nothing on disk has changed."""
+
+    def __init__(self, path: Path | str | None, field: str | None, message: str, line: int | None = None):
+        self.path, self.field, self.message, self.line = path, field, message, line
+        where = str(path) if path else "<config>"
+        if line is not None:
+            where += f":{line}"
+        super().__init__(f"{where}: {field + ': ' if field else ''}{message}")
+
+
+def read_yaml(path: Path) -> tuple[Any, Any]:
+    """Return (plain data, round-trip tree); the tree keeps line numbers for error messages."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot read: {e.strerror or e}") from None
+    try:
+        tree = YAML(typ="rt").load(text)
+    except MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark is not None else None
+        raise ConfigError(path, None, f"YAML syntax error: {e.problem or e.context}", line) from None
+    except YAMLError as e:
+        raise ConfigError(path, None, f"YAML error: {e}") from None
+    return plain(tree), tree
+
+
+def plain(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {str(k) if not isinstance(k, (int, float, bool)) else k: plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [plain(v) for v in node]
+    if isinstance(node, str):
+        return str(node)
+    if isinstance(node, bool) or node is None:
+        return node
+    if isinstance(node, int):
+        return int(node)
+    if isinstance(node, float):
+        return float(node)
+    return node
+
+
+def line_of(tree: Any, loc: tuple) -> int | None:
+    """1-based line of the deepest node of `loc` that the round-trip tree knows."""
+    line = None
+    node = tree
+    for key in loc:
+        try:
+            if isinstance(node, CommentedMap) and key in node:
+                line = node.lc.key(key)[0] + 1
+                node = node[key]
+            elif isinstance(node, CommentedSeq) and isinstance(key, int) and key < len(node):
+                line = node.lc.item(key)[0] + 1
+                node = node[key]
+            else:
+                break
+        except (KeyError, IndexError, TypeError, AttributeError):
+            break
+    return line
+
+
+def dotted(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def validate(model: type[M], data: Any, path: Path | str | None, tree: Any = None, prefix: tuple = ()) -> M:
+    """Validate and raise ConfigError for the first error, naming its field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = prefix + tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        raise ConfigError(path, dotted(loc), msg, line_of(tree, loc) if tree is not None else None) from None

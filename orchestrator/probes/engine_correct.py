@@ -1,0 +1,231 @@
+"""Engine correctness probe: a candidate serve config must reproduce the greedy completions of a
+fixed prompt set, and every kernel variant it runs must pass ``kernels.check``.
+
+    python -m orchestrator.probes.engine_correct --reference state/engine-reference.json \\
+        [--config $ORCHESTRATOR_TARGET_ROOT/serve.yaml]
+
+The reference completions are recorded on the first run, from the same model with every kernel
+key set to the float64 ``reference`` variant, so they are right whichever config first asks for
+them; later runs compare against the stored file. Float32 on the reference's device must match
+exactly. Other dtypes round differently in every kernel and a random model has near-ties, so
+there a prompt "diverges early" when it differs within its first ``--early-tokens`` tokens, and
+the probe fails when more than ``--max-early-fraction`` of the prompts do: a wrong kernel makes
+every prompt it touches diverge at once (see docs/serving.md for the measurements).
+
+The last stdout line is one JSON object with ``passed`` (probe protocol); exit 1 when not passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kernels.engine.config import KERNEL_KEYS, ConfigError, EngineConfig, load_config
+from kernels.engine.llm import LLM
+
+FORMAT = 1
+# Short prompts decode on attention-decode; long ones cross v2's 512-token partitions and the
+# 16-token blocks, where size-dependent kernel bugs live.
+SHORT_LENGTHS = (1, 7, 16, 17, 33, 64, 150, 300)
+LONG_LENGTHS = (601, 640, 700, 730, 777, 800)
+MAX_TOKENS = 24
+LONG_SPLIT = 512  # decode-long-threshold that sends exactly the long prompts to attention-decode-long
+CHECK_TIMEOUT = 900
+
+
+class ProbeFailure(Exception):
+    """Reported as ``{"passed": false, "error": ...}``."""
+
+
+def prompt_set(seed: int = 20240611) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in SHORT_LENGTHS + LONG_LENGTHS]
+
+
+def fit(config: EngineConfig, prompts: list[list[int]], max_tokens: int, **update) -> EngineConfig:
+    """``config`` with ``update`` applied and a max-model-len long enough for the prompt set."""
+    need = max(map(len, prompts)) + max_tokens
+    if need > config.hf.max_position_embeddings:
+        raise ProbeFailure(f"the prompt set needs {need} positions, the model has "
+                           f"{config.hf.max_position_embeddings}")
+    return config.model_copy(update={"max_model_len": max(config.max_model_len, need), **update})
+
+
+def identity(config: EngineConfig) -> dict:
+    """What must match for two runs to be comparable: the same weights, dtype and device."""
+    return {"model": config.model, "num_layers": config.hf.num_layers, "seed": config.seed,
+            "dtype": str(config.torch_dtype()).removeprefix("torch."),
+            "device": config.torch_device().type}
+
+
+def record(config: EngineConfig, path: Path) -> dict:
+    """Generates the reference with every kernel on its float64 reference variant; writes
+    ``path`` atomically, so a failure leaves no partial file."""
+    prompts = prompt_set()
+    ref_config = fit(config, prompts, MAX_TOKENS,
+                     **{key.replace("-", "_"): "reference" for key in KERNEL_KEYS})
+    reference = {"format": FORMAT, **identity(config), "max_tokens": MAX_TOKENS,
+                 "prompts": prompts, "outputs": LLM(ref_config).generate(prompts, MAX_TOKENS)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(reference, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return reference
+
+
+def load_reference(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ProbeFailure(f"{path}: cannot read the reference: {exc}") from None
+    for key, kind in (("format", int), ("prompts", list), ("outputs", list), ("max_tokens", int),
+                      ("model", str), ("dtype", str), ("device", str)):
+        if not isinstance(data.get(key), kind):
+            raise ProbeFailure(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+    if data["format"] != FORMAT:
+        raise ProbeFailure(f"{path}: field 'format' is {data['format']}, this probe reads {FORMAT}")
+    if len(data["prompts"]) != len(data["outputs"]):
+        raise ProbeFailure(f"{path}: field 'outputs' holds {len(data['outputs'])} completions "
+                           f"for {len(data['prompts'])} prompts")
+    return data
+
+
+def compare(expected: list[list[int]], got: list[list[int]], early_tokens: int) -> dict:
+    first = [next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), min(len(e), len(g)))
+             if e != g else len(e) for e, g in zip(expected, got)]
+    same = sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g))
+    return {"exact": expected == got, "first_divergence": first,
+            "identical_token_fraction": same / max(1, sum(map(len, expected))),
+            "early_divergence_fraction": sum(f < early_tokens for f in first) / len(first)}
+
+
+def kernel_checks(choice: dict[str, str], config: EngineConfig, mode: str) -> list[dict]:
+    """``python -m kernels.check`` for each distinct (op, variant) the engine runs, in parallel."""
+    pairs = sorted({(KERNEL_KEYS[key], variant) for key, variant in choice.items()
+                    if variant != "reference"})
+    device = config.torch_device().type
+    dtype = str(config.torch_dtype()).removeprefix("torch.")
+    procs = []
+    for op, variant in pairs:
+        argv = [sys.executable, "-m", "kernels.check", "--op", op, "--variant", variant,
+                "--device", device, "--dtype", dtype, *(["--small"] if mode == "small" else [])]
+        procs.append((op, variant, subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True)))
+    results = []
+    for op, variant, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=CHECK_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            results.append({"op": op, "variant": variant, "passed": False,
+                            "error": f"kernels.check timed out after {CHECK_TIMEOUT} s"})
+            continue
+        lines = [line for line in out.splitlines() if line.strip()]
+        try:
+            result = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            result = {"passed": False, "error": f"kernels.check exited {proc.returncode} without "
+                      f"a JSON result: {err.strip()[-500:]}"}
+        result.update(op=op, variant=variant, passed=bool(result.get("passed")) and proc.returncode == 0)
+        results.append(result)
+    return results
+
+
+def judge(reference: dict, config: EngineConfig, args: argparse.Namespace) -> dict:
+    mine = identity(config)
+    for key in ("model", "num_layers", "seed"):
+        if reference.get(key) != mine[key]:
+            raise ProbeFailure(f"{args.reference}: recorded for {key} {reference.get(key)!r}, the "
+                               f"candidate has {mine[key]!r}; remove the file to record anew")
+    exact = all(reference[k] == mine[k] == v for k, v in (("dtype", "float32"), ("device", mine["device"])))
+    prompts, max_tokens = reference["prompts"], reference["max_tokens"]
+    # Pass "as configured" is the deployment itself; when its decode-long-threshold sends no
+    # prompt to attention-decode-long, a second pass at LONG_SPLIT runs that kernel end to end too.
+    passes = {"as_configured": fit(config, prompts, max_tokens)}
+    if config.decode_long_threshold >= max(map(len, prompts)) + max_tokens:
+        passes["long_decode"] = fit(config, prompts, max_tokens, decode_long_threshold=LONG_SPLIT)
+    result: dict = {"mode": "exact" if exact else "agreement", "passes": {}}
+    choice: dict[str, str] = {}
+    for name, cfg in passes.items():
+        try:
+            llm = LLM(cfg)
+            outputs = llm.generate(prompts, max_tokens)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a crashing kernel is an incorrect candidate, not a probe bug
+            raise ProbeFailure(f"{name}: the engine failed: {type(exc).__name__}: {exc}") from None
+        choice.update(llm.kernel_choice)
+        cmp = compare(reference["outputs"], outputs, args.early_tokens)
+        cmp["passed"] = cmp["exact"] if exact else cmp["early_divergence_fraction"] <= args.max_early_fraction
+        result["passes"][name] = cmp
+    result["kernels"] = choice
+    result["kernel_checks"] = [] if args.kernel_checks == "none" else kernel_checks(choice, config, args.kernel_checks)
+    failed = [f"{name}: " + ("outputs differ from the reference" if exact else
+                             f"{p['early_divergence_fraction']:.0%} of prompts diverge within "
+                             f"{args.early_tokens} tokens (at most {args.max_early_fraction:.0%} allowed)")
+              for name, p in result["passes"].items() if not p["passed"]]
+    failed += [f"kernels.check {c['op']}/{c['variant']} failed" + (f": {c['error']}" if c.get("error") else "")
+               for c in result["kernel_checks"] if not c["passed"]]
+    result["passed"] = not failed
+    if failed:
+        result["error"] = "; ".join(failed)
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.probes.engine_correct",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--reference", type=Path, required=True,
+                   help="stored reference completions (recorded there when absent)")
+    p.add_argument("--config", help="candidate serve config (default: $ORCHESTRATOR_TARGET_ROOT/serve.yaml)")
+    p.add_argument("--early-tokens", type=int, default=4,
+                   help="outside exact mode: a prompt differing within this many tokens diverges early")
+    p.add_argument("--max-early-fraction", type=float, default=0.25,
+                   help="outside exact mode: the largest fraction of prompts that may diverge early")
+    p.add_argument("--kernel-checks", choices=["full", "small", "none"], default="full",
+                   help="shape list for kernels.check of each kernel the engine runs (small: the "
+                        "Triton interpreter's)")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    config_path = args.config
+    if config_path is None:
+        root = os.environ.get("ORCHESTRATOR_TARGET_ROOT")
+        if not root:
+            raise ProbeFailure("no serve config: pass --config or set ORCHESTRATOR_TARGET_ROOT")
+        config_path = str(Path(root) / "serve.yaml")
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        raise ProbeFailure(str(exc)) from None
+    recorded = not args.reference.exists()
+    reference = record(config, args.reference) if recorded else load_reference(args.reference)
+    return {**judge(reference, config, args), "recorded": recorded, "reference": str(args.reference)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (ProbeFailure, ConfigError) as exc:
+        result = {"passed": False, "error": str(exc)}
+    print(json.dumps(result))
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,511 @@
+"""Serving benchmark probe: starts an OpenAI-compatible server, drives a seeded streaming workload
+against it and prints `vllm bench serve`'s result fields plus the deployment's weighted score.
+
+    python -m orchestrator.probes.serving [--server-cmd CMD | --base-url URL | --import-result FILE]
+
+Without ``--server-cmd`` or ``--base-url`` it serves ``$ORCHESTRATOR_TARGET_ROOT/serve.yaml`` with
+``python -m kernels.engine.serve``. The server runs in its own process group and that group is
+always stopped, on success, on error and on SIGTERM. The last stdout line is one JSON object
+(probe protocol); a failure exits 1 with a JSON object holding ``error``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input tokens/s
+
+
+class ProbeError(Exception):
+    """A failure reported as the probe's JSON ``error``."""
+
+
+class Terminated(BaseException):
+    """SIGTERM: unwinds through every ``finally`` so the server is stopped."""
+
+
+def _on_sigterm(_signum, _frame):
+    raise Terminated()
+
+
+# ---------------------------------------------------------------- the server process
+
+
+def _die_with_parent() -> None:
+    """Runs in the server child: the kernel sends it SIGTERM if the probe is SIGKILLed, because
+    the server's own session puts it out of reach of a kill aimed at the probe's group."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server command in its own process group, its output kept in a log file."""
+
+    def __init__(self, argv: list[str], stop_timeout: float = 15.0):
+        self.argv, self.stop_timeout = argv, stop_timeout
+        self.log = tempfile.NamedTemporaryFile(prefix="serving-probe-", suffix=".log", delete=False)
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        except OSError as exc:
+            self.log.close()
+            os.unlink(self.log.name)
+            raise ProbeError(f"cannot start server command {shlex.join(argv)}: {exc}") from None
+        self.pgid = self.proc.pid
+
+    def tail(self, limit: int = 2000) -> str:
+        text = Path(self.log.name).read_text(errors="replace")
+        return text[-limit:]
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self) -> None:
+        """SIGTERM to the group, SIGKILL after ``stop_timeout``, then wait until no member is left."""
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
+        try:
+            self._stop()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, self.stop_timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if not self.members():
+                break
+        deadline = time.monotonic() + 10
+        while self.members() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def members(self) -> list[int]:
+        pids = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == self.pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                    pids.append(proc.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return pids
+
+
+async def wait_healthy(base_url: str, timeout: float, server: ServerProcess | None) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            if server is not None and (code := server.exited()) is not None:
+                raise ProbeError(f"server exited with code {code} before becoming healthy; "
+                                 f"its last output:\n{server.tail()}")
+            try:
+                if (await client.get(f"{base_url}/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                tail = f"; its last output:\n{server.tail()}" if server else ""
+                raise ProbeError(f"server at {base_url} did not answer /health with 200 "
+                                 f"within {timeout:g} s{tail}")
+            await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------- the workload
+
+
+@dataclass
+class Workload:
+    num_prompts: int = 32
+    input_len: int = 64
+    output_len: int = 16
+    range_ratio: float = 0.0
+    shared_prefix_fraction: float = 0.5
+    token_low: int = 0
+    token_high: int = 256
+    request_rate: float = math.inf
+    max_concurrency: int | None = 8
+    seed: int = 0
+
+    def requests(self) -> list[tuple[list[int], int]]:
+        """Seeded (prompt token ids, output length) pairs; every prompt starts with one shared
+        prefix of ``shared_prefix_fraction × input_len`` tokens, so prefix caching matters."""
+        rng = np.random.default_rng(self.seed)
+        prefix_len = round(self.shared_prefix_fraction * self.input_len)
+        prefix = rng.integers(self.token_low, self.token_high, prefix_len).tolist()
+
+        def length(mean: int) -> int:
+            low, high = math.floor(mean * (1 - self.range_ratio)), math.ceil(mean * (1 + self.range_ratio))
+            return max(1, int(rng.integers(low, high + 1)))
+
+        out = []
+        for _ in range(self.num_prompts):
+            total = max(length(self.input_len), prefix_len + 1)
+            own = rng.integers(self.token_low, self.token_high, total - prefix_len).tolist()
+            out.append((prefix + own, length(self.output_len)))
+        return out
+
+    def delays(self) -> list[float]:
+        """Send times relative to the start: Poisson arrivals at ``request_rate``, as vLLM's."""
+        if math.isinf(self.request_rate):
+            return [0.0] * self.num_prompts
+        rng = random.Random(self.seed)
+        gaps = [rng.expovariate(self.request_rate) for _ in range(self.num_prompts)]
+        return np.cumsum([0.0] + gaps[:-1]).tolist()
+
+
+@dataclass
+class Outcome:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    cached_tokens: int | None = None
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+               max_tokens: int) -> Outcome:
+    """One streaming completion, timed the way `vllm bench serve` times it."""
+    out = Outcome(prompt_len=len(prompt))
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = last = time.perf_counter()
+    chunks, done = 0, False
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    out.error = f"server error in stream: {msg['error']}"
+                    return out
+                now = time.perf_counter()
+                if msg.get("choices"):
+                    if chunks == 0:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+                if usage := msg.get("usage"):
+                    out.output_tokens = usage.get("completion_tokens", 0)
+                    out.prompt_len = usage.get("prompt_tokens", out.prompt_len)
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens")
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.latency = time.perf_counter() - start
+    if not done:
+        out.error = "stream ended without data: [DONE]"
+    elif chunks == 0:
+        out.error = "stream held no tokens"
+    else:
+        out.output_tokens = out.output_tokens or chunks
+        out.success = True
+    return out
+
+
+async def drive(base_url: str, model: str, workload: Workload, request_timeout: float) -> tuple[list[Outcome], float]:
+    """Sends the whole workload and returns each request's outcome and the wall time."""
+    url = f"{base_url}/v1/completions"
+    requests, delays = workload.requests(), workload.delays()
+    limit = workload.max_concurrency or len(requests)
+    gate = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
+        first = await send(client, url, model, *requests[0])
+        if not first.success:
+            raise ProbeError(f"the initial test request failed: {first.error}")
+        start = time.perf_counter()
+
+        async def one(delay: float, prompt: list[int], max_tokens: int) -> Outcome:
+            await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+            async with gate:
+                return await send(client, url, model, prompt, max_tokens)
+
+        outcomes = await asyncio.gather(*(one(d, *r) for d, r in zip(delays, requests)))
+        return list(outcomes), time.perf_counter() - start
+
+
+async def prefix_cache_hits(base_url: str) -> float | None:
+    """The server's ``vllm:prefix_cache_hits_total`` (summed over labels), or None if absent."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            resp = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    for family in text_string_to_metric_families(resp.text):
+        if family.name == "vllm:prefix_cache_hits":
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return None
+
+
+async def served_model(base_url: str) -> str:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        resp = await client.get(f"{base_url}/v1/models")
+    if resp.status_code != 200 or not resp.json().get("data"):
+        raise ProbeError(f"{base_url}/v1/models answered {resp.status_code} without a model")
+    return resp.json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------- results
+
+
+def _stats(name: str, values_s: list[float]) -> dict:
+    ms = np.asarray(values_s, dtype=float) * 1000 if values_s else np.zeros(1)
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"std_{name}_ms": float(ms.std()), f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def with_score(result: dict, cached_tokens: float, weights: tuple[float, float, float]) -> dict:
+    """Adds uncached and cached prompt throughput and the weighted score."""
+    duration = result["duration"]
+    result["total_cached_tokens"] = cached_tokens
+    result["input_throughput"] = (result["total_input_tokens"] - cached_tokens) / duration
+    result["cached_throughput"] = cached_tokens / duration
+    w_out, w_in, w_cached = weights
+    result["score_weights"] = {"output": w_out, "input": w_in, "cached": w_cached}
+    result["score"] = (w_out * result["output_throughput"] + w_in * result["input_throughput"]
+                       + w_cached * result["cached_throughput"])
+    return result
+
+
+def summarize(outcomes: list[Outcome], duration: float) -> dict:
+    """`vllm bench serve`'s metrics over the completed requests."""
+    ok = [o for o in outcomes if o.success]
+    total_in = sum(o.prompt_len for o in ok)
+    total_out = sum(o.output_tokens for o in ok)
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    errors = sorted({o.error for o in outcomes if not o.success})
+    result = {
+        "duration": duration, "completed": len(ok), "failed": len(outcomes) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
+    result.update(_stats("ttft", [o.ttft for o in ok]))
+    result.update(_stats("tpot", tpots))
+    result.update(_stats("itl", [x for o in ok for x in o.itl]))
+    result.update(_stats("e2el", [o.latency for o in ok]))
+    result["errors"] = errors[:10]
+    return result
+
+
+REQUIRED_IMPORT_FIELDS = ("duration", "completed", "total_input_tokens", "total_output_tokens",
+                          "output_throughput")
+
+
+def import_result(path: Path, weights: tuple[float, float, float]) -> dict:
+    """Scores a `vllm bench serve --save-result` JSON; it records no cached tokens, so all prompt
+    tokens count as uncached input."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ProbeError(f"{path}: cannot read a JSON result: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProbeError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    for key in REQUIRED_IMPORT_FIELDS:
+        if not isinstance(data.get(key), (int, float)) or isinstance(data.get(key), bool):
+            raise ProbeError(f"{path}: field {key!r} is missing or not a number")
+    if data["duration"] <= 0:
+        raise ProbeError(f"{path}: field 'duration' must be positive, got {data['duration']}")
+    keep = [k for k in data if isinstance(data[k], (int, float, str)) or data[k] is None]
+    result = {k: data[k] for k in keep}
+    result["failed"] = int(data.get("failed", 0) or 0)
+    result["imported_from"] = str(path)
+    return with_score(result, 0, weights)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.probes.serving",
+                                description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--server-cmd", help="server command line; {port} and {host} are filled in "
+                     "(e.g. 'vllm serve MODEL --port {port}')")
+    src.add_argument("--base-url", help="an already running server, e.g. http://127.0.0.1:8000")
+    src.add_argument("--import-result", type=Path, metavar="FILE",
+                     help="score a `vllm bench serve --save-result` JSON instead of generating load")
+    p.add_argument("--serve-config", help="engine serve config (default: "
+                   "$ORCHESTRATOR_TARGET_ROOT/serve.yaml)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--health-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--stop-timeout", type=float, default=15.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping the server")
+    w = Workload()
+    p.add_argument("--num-prompts", type=int, default=w.num_prompts)
+    p.add_argument("--input-len", type=int, default=w.input_len)
+    p.add_argument("--output-len", type=int, default=w.output_len)
+    p.add_argument("--range-ratio", type=float, default=w.range_ratio,
+                   help="lengths are drawn uniformly from len × [1 - r, 1 + r]")
+    p.add_argument("--shared-prefix-fraction", type=float, default=w.shared_prefix_fraction,
+                   help="fraction of each prompt that is one prefix shared by all prompts")
+    p.add_argument("--token-id-range", type=int, nargs=2, default=[w.token_low, w.token_high],
+                   metavar=("LOW", "HIGH"), help="prompt token ids are drawn from [LOW, HIGH)")
+    p.add_argument("--request-rate", type=float, default=w.request_rate,
+                   help="requests per second, Poisson arrivals (default: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=w.max_concurrency)
+    p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--max-failed-fraction", type=float, default=0.0,
+                   help="the probe fails when more than this fraction of requests fail")
+    p.add_argument("--output-weight", type=float, default=DEFAULT_WEIGHTS[0])
+    p.add_argument("--input-weight", type=float, default=DEFAULT_WEIGHTS[1])
+    p.add_argument("--cached-weight", type=float, default=DEFAULT_WEIGHTS[2])
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        p.error("--num-prompts, --input-len and --output-len must be at least 1")
+    if not 0.0 <= args.shared_prefix_fraction < 1.0:
+        p.error("--shared-prefix-fraction must be in [0, 1)")
+    if not 0.0 <= args.range_ratio < 1.0:
+        p.error("--range-ratio must be in [0, 1)")
+    if args.token_id_range[0] >= args.token_id_range[1] or args.token_id_range[0] < 0:
+        p.error("--token-id-range needs 0 <= LOW < HIGH")
+    if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        p.error("--request-rate and --max-concurrency must be positive")
+    return args
+
+
+def server_argv(args: argparse.Namespace) -> list[str]:
+    if args.server_cmd:
+        if "{port}" not in args.server_cmd and not args.port:
+            raise ProbeError("--server-cmd must contain {port}, or give --port")
+        return [part.format(port=args.port, host=args.host) for part in shlex.split(args.server_cmd)]
+    config = args.serve_config
+    if config is None:
+        root = os.environ.get("ORCHESTRATOR_TARGET_ROOT")
+        if not root:
+            raise ProbeError("no server given: pass --server-cmd, --base-url or --serve-config, "
+                             "or set ORCHESTRATOR_TARGET_ROOT")
+        config = str(Path(root) / "serve.yaml")
+    return [sys.executable, "-m", "kernels.engine.serve", "--config", config,
+            "--host", args.host, "--port", str(args.port)]
+
+
+async def benchmark(base_url: str, args: argparse.Namespace, server: ServerProcess | None) -> dict:
+    await wait_healthy(base_url, args.health_timeout, server)
+    model = args.model or await served_model(base_url)
+    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                        args.shared_prefix_fraction, *args.token_id_range, args.request_rate,
+                        args.max_concurrency, args.seed)
+    hits_before = await prefix_cache_hits(base_url)
+    outcomes, duration = await drive(base_url, model, workload, args.request_timeout)
+    ok = [o for o in outcomes if o.success]
+    if ok and all(o.cached_tokens is not None for o in ok):
+        cached, source = sum(o.cached_tokens for o in ok), "usage"
+    elif hits_before is not None and (hits_after := await prefix_cache_hits(base_url)) is not None:
+        cached, source = hits_after - hits_before, "metrics"
+    else:
+        cached, source = 0, "none"
+    result = summarize(outcomes, duration)
+    result.update({"backend": "openai", "model_id": model, "base_url": base_url,
+                   "num_prompts": workload.num_prompts,
+                   "request_rate": workload.request_rate if math.isfinite(workload.request_rate) else "inf",
+                   "max_concurrency": workload.max_concurrency, "input_len": workload.input_len,
+                   "output_len": workload.output_len,
+                   "shared_prefix_fraction": workload.shared_prefix_fraction,
+                   "seed": workload.seed, "cached_tokens_source": source})
+    if server is not None and (code := server.exited()) is not None:
+        result["server_exit_code"] = code
+    return with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight))
+
+
+def run(args: argparse.Namespace) -> dict:
+    weights = (args.output_weight, args.input_weight, args.cached_weight)
+    if args.import_result:
+        return import_result(args.import_result, weights)
+    if args.base_url:
+        return asyncio.run(benchmark(args.base_url.rstrip("/"), args, None))
+    if not args.port:
+        args.port = free_port()
+    server = ServerProcess(server_argv(args), args.stop_timeout)
+    try:
+        result = asyncio.run(benchmark(f"http://{args.host}:{args.port}", args, server))
+        if "server_exit_code" in result:
+            result["server_output"] = server.tail()
+        return result
+    finally:
+        server.stop()
+
+
+def failure(result: dict, max_failed_fraction: float) -> str | None:
+    total = result["completed"] + result["failed"]
+    if result["completed"] == 0:
+        return "no request completed"
+    if result["failed"] > max_failed_fraction * total:
+        return (f"{result['failed']} of {total} requests failed, more than the allowed "
+                f"fraction {max_failed_fraction:g}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result = run(args)
+    except ProbeError as exc:
+        print(json.dumps({"error": str(exc)}))
+        return 1
+    except Terminated:
+        print(json.dumps({"error": "terminated by SIGTERM; the server was stopped"}))
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if reason := failure(result, args.max_failed_fraction):
+        result["error"] = reason
+        print(json.dumps(result))
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""The staging loop: the only place that sequences preconditions, apply, verify, probes and the decision."""
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from orchestrator import decide
+from orchestrator.config import Policy, ProbeSpec, Project
+from orchestrator.journal import Journal
+from orchestrator.plugin import Plugin, Variant
+from orchestrator.probes.runner import ProbeResult, judge_output, run_process
+from orchestrator.recovery import recover
+from orchestrator.steps import StepContext, StepFailed, apply_step, check, undo_step
+from orchestrator.store import Store, dumps, loads
+
+
+class Interrupted(Exception):
+    """Raised from a signal handler (SIGTERM) so the loop restores the target before exiting."""
+
+
+class BaselineFailed(Exception):
+    pass
+
+
+class ArmFailed(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Reporter:
+    """Progress callbacks for the CLI; the default reports nothing."""
+
+    def phase(self, plugin: str, phase: str) -> None: ...
+    def tick(self, elapsed: float, tail: str) -> None: ...
+    def outcome(self, plugin: str, outcome: str, reason: str | None, gain: float | None) -> None: ...
+
+
+@dataclass
+class Sample:
+    value: float
+    metrics: dict[str, Any]
+
+
+@dataclass
+class Verdict:
+    step_id: int
+    decision: decide.Decision | None
+    base: list[Sample] = field(default_factory=list)
+    cand: list[Sample] = field(default_factory=list)
+
+
+def medians(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
+    keys = set.intersection(*(set(s) for s in samples)) if samples else set()
+    return {k: statistics.median(s[k] for s in samples) for k in sorted(keys)
+            if all(isinstance(s[k], (int, float)) and not isinstance(s[k], bool) for s in samples)}
+
+
+def fingerprint() -> dict | None:
+    try:
+        from orchestrator.fingerprint import fingerprint as fp
+    except ImportError:
+        return None
+    try:
+        return fp()
+    except Exception as e:  # noqa: BLE001 - a broken fingerprint must not stop a measurement
+        return {"error": repr(e)}
+
+
+class Stager:
+    def __init__(self, project: Project, plugins: list[Plugin], store: Store, journal: Journal,
+                 reporter: Reporter | None = None):
+        self.project = project
+        self.target = project.target
+        self.kind = self.target.kind
+        self.plugins = plugins
+        self.store = store
+        self.journal = journal
+        self.reporter = reporter or Reporter()
+        self.correctness = [p for p in project.probes if p.role == "correctness"]
+        self.throughput = [p for p in project.probes if p.role == "throughput"]
+        self.objective = self.throughput[0].objective if self.throughput else None
+        self.tmp = project.state_dir / "tmp"
+        self.run_id: int | None = None
+        self.kept: set[str] = set()
+        self.kept_samples: list[Sample] | None = None
+
+    # environment and processes
+    def env(self, plugin: str) -> dict[str, str]:
+        roots = self.target.roots
+        env = {**os.environ, **self.target.env(),
+               "ORCHESTRATOR_TARGET_ROOT": str(next(iter(roots.values()))),
+               "ORCHESTRATOR_RUN_ID": str(self.run_id), "ORCHESTRATOR_PLUGIN": plugin}
+        for name, path in roots.items():
+            env[f"ORCHESTRATOR_ROOT_{re.sub(r'[^A-Za-z0-9]', '_', name).upper()}"] = str(path)
+        return env
+
+    def _recorder(self, step_id: int | None):
+        def on_start(what: str, pid: int, create_time: float):
+            proc_id = self.store.add_process(self.run_id, step_id, what, pid, pid, create_time)
+            return lambda: self.store.end_process(proc_id)
+        return on_start
+
+    def context(self, plugin: Plugin, step_id: int | None) -> StepContext:
+        return StepContext(self.target.roots, self.kind, plugin.folder, self.env(plugin.id), self.journal, step_id,
+                           on_start=self._recorder(step_id), on_tick=self.reporter.tick, tmp_dir=self.tmp)
+
+    def probe(self, spec: ProbeSpec, step_id: int | None, arm: str, repeat: int, plugin: str) -> ProbeResult:
+        self.reporter.phase(plugin, f"probe {spec.name} ({arm} #{repeat + 1})")
+        on_start = self._recorder(step_id)
+        result = run_process(spec.command, self.project.base_dir, self.env(plugin), spec.timeout,
+                             on_start=lambda pid, ct: on_start(f"probe {spec.name}", pid, ct),
+                             on_tick=self.reporter.tick, tmp_dir=self.tmp)
+        out = judge_output(spec.role, spec.objective, result, spec.timeout)
+        self.store.add_measurement(run_id=self.run_id, step_id=step_id, probe=spec.name, role=spec.role, arm=arm,
+                                   repeat=repeat, ok=int(out.ok), reason=out.reason, value=out.value,
+                                   metrics=out.metrics, duration=result.duration, returncode=result.returncode,
+                                   stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail,
+                                   fingerprint=fingerprint() if spec.role == "throughput" else None)
+        return out
+
+    def sample(self, step_id: int | None, arm: str, repeat: int, plugin: str) -> Sample:
+        """One measurement of the state on disk: every throughput probe once, metrics merged."""
+        metrics: dict[str, Any] = {}
+        value = None
+        for spec in self.throughput:
+            out = self.probe(spec, step_id, arm, repeat, plugin)
+            if not out.ok:
+                raise ArmFailed(out.reason or "probe_failed", f"{arm} arm, probe {spec.name}: {out.message}")
+            metrics.update({k: v for k, v in out.metrics.items() if k not in metrics})
+            if value is None:
+                value = out.value
+        return Sample(value, metrics)
+
+    # the run
+    def run(self, only: set[str] | None = None, skip: set[str] | None = None) -> int:
+        self.run_id = self.store.start_run("run", str(self.project.source or "<embedded default>"), self.kind)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        deployed = self.store.deployed()
+        self.kept = set(deployed)
+        try:
+            self.baseline()
+            for plugin in self.plugins:
+                if (only and plugin.id not in only) or (skip and plugin.id in skip):
+                    continue
+                self.stage(plugin)
+        except (KeyboardInterrupt, Interrupted):
+            recover(self.store, self.journal, "interrupted", "stopped by a signal")
+            raise
+        except BaselineFailed as e:
+            self.store.finish_run(self.run_id, "failed", str(e))
+            return self.run_id
+        except Exception as e:
+            recover(self.store, self.journal, "failed", f"internal error: {e!r}")
+            raise
+        self.store.finish_run(self.run_id, "finished")
+        return self.run_id
+
+    def baseline(self) -> None:
+        for spec in self.correctness:
+            out = self.probe(spec, None, "baseline", 0, "baseline")
+            if not out.ok:
+                self.store.event(self.run_id, "warning", f"baseline fails correctness probe {spec.name}: {out.message}")
+        if not self.throughput:
+            return
+        try:
+            samples = [self.sample(None, "baseline", i, "baseline") for i in range(self.project.policy.repeats)]
+        except ArmFailed as e:
+            raise BaselineFailed(f"cannot measure the baseline: {e}") from None
+        self.kept_samples = samples
+        self.store.update_run(self.run_id, baseline=dumps(medians([s.metrics for s in samples])))
+
+    def skip(self, plugin: Plugin, reason: str, detail: str) -> None:
+        step_id = self.store.new_step(self.run_id, plugin.id, "done")
+        self.store.finish_step(step_id, "skipped", reason, detail)
+        self.reporter.outcome(plugin.id, "skipped", reason, None)
+
+    def stage(self, plugin: Plugin) -> None:
+        m = plugin.manifest
+        self.reporter.phase(plugin.id, "preconditions")
+        if self.kind not in m.targets:
+            return self.skip(plugin, "not_applicable", f"for targets {', '.join(m.targets)}; this one is {self.kind}")
+        missing = [r for r in m.requires if r not in self.kept]
+        if missing:
+            return self.skip(plugin, "dependency_not_kept", f"requires {', '.join(missing)}, not kept")
+        earlier = self.store.deployed().get(plugin.id)
+        if earlier:
+            changed = self.journal.drifted(earlier["step_id"])
+            if not changed:
+                return self.already_applied(plugin, earlier)
+            self.store.undeploy(plugin.id)
+            self.kept.discard(plugin.id)
+            self.store.event(self.run_id, "stale", f"{plugin.id}: kept earlier but {', '.join(changed)} changed since")
+        ctx = self.context(plugin, None)
+        for chk in plugin.variants[0].applies_if:
+            if chk.runs_on(self.kind):
+                ok, why = check(chk, ctx)
+                if not ok:
+                    return self.skip(plugin, "not_applicable", why)
+        defer = len(plugin.variants) > 1
+        verdicts = [v for v in (self.attempt(plugin, variant, defer) for variant in plugin.variants) if v]
+        if defer and verdicts:
+            best = max(verdicts, key=lambda v: v.decision.gain if v.decision and v.decision.gain is not None else 0)
+            for v in verdicts:
+                if v is not best:
+                    self.finish(plugin, v.step_id, "rolled_back", "outperformed", v,
+                                f"another candidate gained more (step {best.step_id})")
+            self.journal.show(best.step_id, "post")
+            self.keep(plugin, best)
+
+    def already_applied(self, plugin: Plugin, earlier: dict) -> None:
+        original = self.store.step(earlier["step_id"])
+        step_id = self.store.new_step(self.run_id, plugin.id, "done", params=None)
+        self.store.finish_step(step_id, "kept", "already_applied",
+                               f"kept in run {original['run_id']}; its files are unchanged",
+                               **{k: original[k] for k in ("params", "gain", "objective", "before_value",
+                                                          "after_value", "metrics", "baseline_metrics")})
+        self.kept.add(plugin.id)
+        self.reporter.outcome(plugin.id, "kept", "already_applied", original["gain"])
+
+    def attempt(self, plugin: Plugin, variant: Variant, defer: bool) -> Verdict | None:
+        """Stage one variant; returns its verdict when it should be kept but `defer` leaves the choice to the caller."""
+        name = plugin.id + (f" [{variant.label}]" if variant.params else "")
+        step_id = self.store.new_step(self.run_id, plugin.id, "applying", params=variant.params, image="post",
+                                      objective=self.objective)
+        policy = self.project.policy.merged(plugin.manifest.accept)
+        ctx = self.context(plugin, step_id)
+        self.reporter.phase(name, "apply")
+        try:
+            for step in variant.apply:
+                if step.runs_on(self.kind):
+                    apply_step(step, ctx)
+        except StepFailed as e:
+            return self.roll_back(plugin, variant, step_id, "apply_failed", str(e), ctx)
+        self.journal.seal(step_id)
+        self.store.set_step(step_id, state="verifying")
+        self.reporter.phase(name, "verify")
+        for chk in variant.verify:
+            if chk.runs_on(self.kind):
+                ok, why = check(chk, ctx)
+                if not ok:
+                    return self.roll_back(plugin, variant, step_id, "verify_failed", why, ctx)
+        self.store.set_step(step_id, state="checking")
+        for spec in self.correctness:
+            out = self.probe(spec, step_id, "candidate", 0, name)
+            if not out.ok:
+                return self.roll_back(plugin, variant, step_id, out.reason, f"probe {spec.name}: {out.message}", ctx)
+        if not self.throughput:
+            return self.accept(plugin, Verdict(step_id, None), defer, None)
+        self.store.set_step(step_id, state="measuring")
+        try:
+            verdict = self.measure(step_id, policy, name)
+        except ArmFailed as e:
+            return self.roll_back(plugin, variant, step_id, e.reason, str(e), ctx)
+        d = verdict.decision
+        vetoes = decide.check_guardrails(policy.guardrails, [s.metrics for s in verdict.base],
+                                         [s.metrics for s in verdict.cand])
+        self.store.add_decision(self.run_id, step_id, self.objective, d.to_dict(), vetoes, policy.model_dump())
+        self.store.set_step(step_id, state="deciding", **self._numbers(verdict))
+        keep = d.verdict == "keep" or (d.verdict == "inconclusive" and policy.on_inconclusive == "keep")
+        if keep and vetoes:
+            return self.roll_back(plugin, variant, step_id, "guardrail", "; ".join(vetoes), ctx)
+        if not keep:
+            reason = {"regressed": "regressed", "no_gain": "no_gain"}.get(d.verdict, "inconclusive")
+            return self.roll_back(plugin, variant, step_id, reason, self._describe(d), ctx)
+        return self.accept(plugin, verdict, defer, None if d.verdict == "keep" else "inconclusive")
+
+    def accept(self, plugin: Plugin, verdict: Verdict, defer: bool, reason: str | None) -> Verdict | None:
+        """Keep now, or (params) leave the last kept state on disk and let the best candidate win later."""
+        if not defer:
+            self.journal.show(verdict.step_id, "post")
+            self.keep(plugin, verdict, reason)
+            return None
+        self.journal.show(verdict.step_id, "pre")
+        self.store.set_step(verdict.step_id, state="candidate")
+        return verdict
+
+    def measure(self, step_id: int, policy: Policy, name: str) -> Verdict:
+        """Interleaved A/B pairs until the judge decides, or one baseline reused against `repeats` candidates."""
+        judge = decide.Judge(policy)
+        if policy.interleave:
+            base, cand = [], []
+            while True:
+                n = len(base)
+                self.journal.show(step_id, "pre")
+                base.append(self.sample(step_id, "baseline", n, name))
+                self.journal.show(step_id, "post")
+                cand.append(self.sample(step_id, "candidate", n, name))
+                d = judge.decide([s.value for s in base], [s.value for s in cand], final=n + 1 >= policy.max_pairs)
+                if d is not None:
+                    return Verdict(step_id, d, base, cand)
+        if self.kept_samples is None:
+            self.journal.show(step_id, "pre")
+            self.kept_samples = [self.sample(step_id, "baseline", i, name) for i in range(policy.repeats)]
+            self.journal.show(step_id, "post")
+        base = self.kept_samples
+        cand = [self.sample(step_id, "candidate", i, name) for i in range(policy.repeats)]
+        b, c = [s.value for s in base], [s.value for s in cand]
+        d = decide.first_rule(b, c, policy.min_gain) if policy.rule == "first" else judge.decide(b, c, final=True)
+        if d is None:
+            d = decide.Decision("inconclusive", None, n_baseline=len(b), n_candidate=len(c), notes=["judge gave no verdict"])
+        return Verdict(step_id, d, base, cand)
+
+    def _numbers(self, v: Verdict) -> dict[str, Any]:
+        d = v.decision
+        return dict(gain=d.gain if d else None,
+                    before_value=d.baseline_median if d else None, after_value=d.candidate_median if d else None,
+                    metrics=dumps(medians([s.metrics for s in v.cand])) if v.cand else None,
+                    baseline_metrics=dumps(medians([s.metrics for s in v.base])) if v.base else None)
+
+    @staticmethod
+    def _describe(d: decide.Decision) -> str:
+        gain = "n/a" if d.gain is None else f"{d.gain:+.2%}"
+        return f"{d.verdict}: gain {gain} over {d.n_baseline}/{d.n_candidate} samples ({d.rule} rule)"
+
+    def keep(self, plugin: Plugin, verdict: Verdict, reason: str | None = None) -> None:
+        step = self.store.step(verdict.step_id)
+        with self.store.db.atomic():
+            self.store.deploy(plugin.id, verdict.step_id, loads(step["params"]))
+            self.store.finish_step(verdict.step_id, "kept", reason,
+                                   self._describe(verdict.decision) if verdict.decision else "no throughput probe configured")
+        self.kept.add(plugin.id)
+        if verdict.cand:
+            self.kept_samples = verdict.cand
+        self.reporter.outcome(plugin.id, "kept", reason, verdict.decision.gain if verdict.decision else None)
+
+    def finish(self, plugin: Plugin, step_id: int, outcome: str, reason: str, verdict: Verdict, detail: str) -> None:
+        self.store.finish_step(step_id, outcome, reason, detail)
+        self.reporter.outcome(plugin.id, outcome, reason, verdict.decision.gain if verdict.decision else None)
+
+    def roll_back(self, plugin: Plugin, variant: Variant, step_id: int, reason: str, detail: str,
+                  ctx: StepContext) -> None:
+        """Restore every touched file, then run the plugin's own rollback steps in reverse."""
+        self.reporter.phase(plugin.id, f"rollback ({reason})")
+        self.store.set_step(step_id, state="rolling_back")
+        self.journal.restore(step_id, exact=True)
+        for step in reversed(variant.rollback):
+            if step.runs_on(self.kind):
+                try:
+                    undo_step(step, ctx)
+                except StepFailed as e:
+                    self.store.event(self.run_id, "rollback_step_failed", f"{plugin.id}: {e}", step_id)
+        self.store.finish_step(step_id, "rolled_back", reason, detail)
+        self.reporter.outcome(plugin.id, "rolled_back", reason, None)
+        return None

@@ -1,0 +1,189 @@
+"""Step and check kinds: replace, deploy, yaml_set, command, python; contains, command, python.
+
+Declarative steps compute the new bytes from a reader, so `plan` can show a diff without writing.
+"""
+from __future__ import annotations
+
+import io
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
+
+from orchestrator.journal import Journal, TouchError, write_atomic
+from orchestrator.loading import ConfigError
+from orchestrator.plugin import Check, Step, UndoStep, confine
+from orchestrator.probes.runner import ProcessResult, run_process
+
+HOOK_RUNNER = Path(__file__).resolve().parent / "hook_runner.py"
+Reader = Callable[[Path], "bytes | None"]
+
+
+class StepFailed(Exception):
+    def __init__(self, message: str, result: ProcessResult | None = None):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class StepContext:
+    """Where a plugin's steps act and how their processes are started and recorded."""
+
+    roots: dict[str, Path]
+    kind: str
+    plugin_dir: Path
+    env: dict[str, str]
+    journal: Journal | None = None
+    step_id: int | None = None
+    on_start: Callable | None = None
+    on_tick: Callable | None = None
+    tmp_dir: Path | None = None
+    label: str = ""
+    outputs: list[str] = field(default_factory=list)
+
+    def root_of(self, action) -> tuple[str, Path]:
+        name = action.root or next(iter(self.roots))
+        return name, self.roots[name]
+
+
+def read_disk(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _path(ctx: StepContext, action, rel: str) -> tuple[str, Path, Path]:
+    name, root = ctx.root_of(action)
+    try:
+        return name, root, confine(root, rel)
+    except ConfigError as e:
+        raise StepFailed(e.message) from None
+
+
+def compute(step: Step, ctx: StepContext, read: Reader) -> tuple[str, Path, Path, bytes]:
+    """(root name, root, file, new bytes) of a declarative step, without writing anything."""
+    body = step.body
+    if step.kind == "replace":
+        name, root, full = _path(ctx, step, body.path)
+        data = read(full)
+        if data is None:
+            raise StepFailed(f"replace: {body.path} does not exist")
+        text = data.decode("utf-8")
+        found = text.count(body.old)
+        if found != body.count:
+            raise StepFailed(f"replace: expected {body.count} match(es) of {body.old!r} in {body.path}, found {found}")
+        return name, root, full, text.replace(body.old, body.new).encode("utf-8")
+    if step.kind == "deploy":
+        try:
+            src = confine(ctx.plugin_dir, body.src)
+        except ConfigError as e:
+            raise StepFailed(e.message) from None
+        if not src.is_file():
+            raise StepFailed(f"deploy: {body.src} is not a file in {ctx.plugin_dir}")
+        name, root, full = _path(ctx, step, body.dest)
+        return name, root, full, src.read_bytes()
+    if step.kind == "yaml_set":
+        name, root, full = _path(ctx, step, body.path)
+        data = read(full)
+        return name, root, full, yaml_set(data.decode("utf-8") if data is not None else "", body.key, body.value, body.path)
+    raise ValueError(f"{step.kind} is not declarative")
+
+
+def yaml_set(text: str, key: str, value: Any, where: str) -> bytes:
+    """Set a dotted key in YAML text, keeping comments, quotes and key order."""
+    yaml = YAML(typ="rt")
+    yaml.preserve_quotes = True
+    try:
+        doc = yaml.load(text) if text.strip() else None
+    except Exception as e:  # noqa: BLE001 - any parse error of the user's file fails the step
+        raise StepFailed(f"yaml_set: cannot parse {where}: {e}") from None
+    if doc is None:
+        doc = CommentedMap()
+    parts = key.split(".")
+    node = doc
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            if part not in node or node[part] is None:
+                node[part] = CommentedMap()
+            node = node[part]
+        else:
+            raise StepFailed(f"yaml_set: {where}: {'.'.join(parts[:i + 1])} is not a mapping")
+    last = parts[-1]
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise StepFailed(f"yaml_set: {where}: {'.'.join(parts[:-1])} is not a mapping")
+    out = io.StringIO()
+    yaml.dump(doc, out)
+    return out.getvalue().encode("utf-8")
+
+
+def _run(ctx: StepContext, action, argv: list[str], timeout: float, what: str) -> ProcessResult:
+    _, root = ctx.root_of(action)
+    env = {**ctx.env, "ORCHESTRATOR_PLUGIN_DIR": str(ctx.plugin_dir)}
+    return run_process(argv, root, env, timeout, on_start=ctx.on_start and (lambda pid, ct: ctx.on_start(what, pid, ct)),
+                       on_tick=ctx.on_tick, tmp_dir=ctx.tmp_dir)
+
+
+def _process(ctx: StepContext, action, mode: str) -> ProcessResult:
+    body = action.body
+    if action.kind == "command":
+        return _run(ctx, action, body.run, body.timeout, f"command {' '.join(body.run)}")
+    argv = [sys.executable, str(HOOK_RUNNER), str(ctx.plugin_dir), body.function, json.dumps(body.args), mode]
+    return _run(ctx, action, argv, body.timeout, f"python {body.function}")
+
+
+def _describe(result: ProcessResult, timeout: float) -> str:
+    if result.timed_out:
+        return f"timed out after {timeout:g}s"
+    if result.signal:
+        return f"ended by signal {result.signal}"
+    tail = (result.stderr_tail.strip() or result.stdout_tail.strip()).splitlines()[-3:]
+    return f"exited with status {result.returncode}" + (f": {' | '.join(tail)}" if tail else "")
+
+
+def apply_step(step: Step, ctx: StepContext) -> None:
+    """Run one apply step, recording pre-images in the journal before anything is touched."""
+    if step.kind in ("command", "python"):
+        name, root = ctx.root_of(step)
+        ctx.journal.track_tree(ctx.step_id, name, root)
+        result = _process(ctx, step, "apply")
+        if result.timed_out or result.returncode != 0:
+            raise StepFailed(f"{step.kind}: {_describe(result, step.body.timeout)}", result)
+        return
+    name, root, full, data = compute(step, ctx, read_disk)
+    rel = str(full.relative_to(root))
+    try:
+        ctx.journal.track(ctx.step_id, name, root, rel)
+    except TouchError as e:
+        raise StepFailed(str(e)) from None
+    full.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(full, data)
+
+
+def undo_step(step: UndoStep, ctx: StepContext) -> None:
+    result = _process(ctx, step, "apply")
+    if result.timed_out or result.returncode != 0:
+        raise StepFailed(f"rollback {step.kind}: {_describe(result, step.body.timeout)}", result)
+
+
+def check(chk: Check, ctx: StepContext, read: Reader = read_disk) -> tuple[bool, str]:
+    """(passed, why) for a precondition or a verification."""
+    if chk.kind == "contains":
+        _, _, full = _path(ctx, chk, chk.body.path)
+        data = read(full)
+        if data is None:
+            return False, f"{chk.body.path} does not exist"
+        if chk.body.text.encode("utf-8") in data:
+            return True, f"{chk.body.path} contains {chk.body.text!r}"
+        return False, f"{chk.body.path} does not contain {chk.body.text!r}"
+    result = _process(ctx, chk, "check")
+    if result.timed_out or result.returncode != 0:
+        return False, f"{chk.kind}: {_describe(result, chk.body.timeout)}"
+    return True, f"{chk.kind} passed"

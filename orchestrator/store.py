@@ -1,0 +1,202 @@
+"""The run history in SQLite (WAL): runs, steps, measurements, decisions, files, processes, events."""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+  id INTEGER PRIMARY KEY, command TEXT NOT NULL, status TEXT NOT NULL, pid INTEGER,
+  config TEXT, target_kind TEXT, started REAL, finished REAL, detail TEXT, baseline TEXT);
+CREATE TABLE IF NOT EXISTS steps (
+  id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id), seq INTEGER, plugin TEXT NOT NULL,
+  params TEXT, state TEXT NOT NULL, image TEXT, outcome TEXT, reason TEXT, detail TEXT,
+  gain REAL, objective TEXT, before_value REAL, after_value REAL, metrics TEXT, baseline_metrics TEXT,
+  started REAL, finished REAL, duration REAL);
+CREATE INDEX IF NOT EXISTS steps_run ON steps(run_id, seq);
+CREATE INDEX IF NOT EXISTS steps_open ON steps(state);
+CREATE TABLE IF NOT EXISTS files (
+  id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
+  root_path TEXT NOT NULL, path TEXT NOT NULL, kind TEXT NOT NULL DEFAULT 'file',
+  before TEXT, before_mode INTEGER, after TEXT, after_mode INTEGER, sealed INTEGER DEFAULT 0,
+  UNIQUE(step_id, root, path));
+CREATE TABLE IF NOT EXISTS trees (
+  id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
+  root_path TEXT NOT NULL, manifest TEXT NOT NULL, UNIQUE(step_id, root));
+CREATE TABLE IF NOT EXISTS deployed (
+  plugin TEXT PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), kept_at REAL, params TEXT);
+CREATE TABLE IF NOT EXISTS measurements (
+  id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, probe TEXT, role TEXT, arm TEXT, repeat INTEGER,
+  ok INTEGER, reason TEXT, value REAL, metrics TEXT, duration REAL, returncode INTEGER,
+  stdout_tail TEXT, stderr_tail TEXT, fingerprint TEXT, at REAL);
+CREATE INDEX IF NOT EXISTS measurements_step ON measurements(run_id, step_id);
+CREATE TABLE IF NOT EXISTS decisions (
+  id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER REFERENCES steps(id), objective TEXT, verdict TEXT,
+  gain REAL, ci_low REAL, ci_high REAL, n_baseline INTEGER, n_candidate INTEGER,
+  baseline_median REAL, candidate_median REAL, rule TEXT, vetoes TEXT, policy TEXT, decision TEXT, at REAL);
+CREATE INDEX IF NOT EXISTS decisions_step ON decisions(step_id);
+CREATE TABLE IF NOT EXISTS processes (
+  id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, what TEXT, pid INTEGER, pgid INTEGER,
+  create_time REAL, started REAL, ended REAL);
+CREATE INDEX IF NOT EXISTS processes_open ON processes(ended);
+CREATE TABLE IF NOT EXISTS events (
+  id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, at REAL, kind TEXT, message TEXT);
+"""
+
+FINAL_STATES = ("done",)
+
+
+def dumps(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True, default=str)
+
+
+def loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class Store:
+    """Every write commits before returning, so the database always reflects what has happened."""
+
+    def __init__(self, path: Path, readonly: bool = False):
+        self.path = Path(path)
+        if readonly:  # `status` while a run writes: plain sqlite3, no write machinery to import
+            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(str(self.path))
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA busy_timeout=10000")
+        if not readonly:
+            import sqlite_utils
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.executescript(SCHEMA)
+            self.db = sqlite_utils.Database(self.conn, execute_plugins=False)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict]:
+        return [dict(r) for r in self.conn.execute(sql, list(params))]
+
+    # runs
+    def start_run(self, command: str, config: str | None, target_kind: str | None) -> int:
+        return self.db["runs"].insert(dict(command=command, status="running", pid=os.getpid(), config=config,
+                                           target_kind=target_kind, started=time.time())).last_pk
+
+    def update_run(self, run_id: int, **fields: Any) -> None:
+        self.db["runs"].update(run_id, fields)
+
+    def finish_run(self, run_id: int, status: str, detail: str | None = None) -> None:
+        self.update_run(run_id, status=status, finished=time.time(), detail=detail)
+
+    def run(self, run_id: int | None = None, command: str | None = "run") -> dict | None:
+        if run_id is not None:
+            rows = self.query("SELECT * FROM runs WHERE id = ?", [run_id])
+        elif command:
+            rows = self.query("SELECT * FROM runs WHERE command = ? ORDER BY id DESC LIMIT 1", [command])
+        else:
+            rows = self.query("SELECT * FROM runs ORDER BY id DESC LIMIT 1")
+        return rows[0] if rows else None
+
+    def runs(self) -> list[dict]:
+        return self.query(
+            "SELECT r.*, SUM(s.outcome = 'kept') AS kept, SUM(s.outcome = 'rolled_back') AS rolled_back, "
+            "SUM(s.outcome = 'skipped') AS skipped FROM runs r LEFT JOIN steps s ON s.run_id = r.id "
+            "GROUP BY r.id ORDER BY r.id")
+
+    def open_runs(self) -> list[dict]:
+        return self.query("SELECT * FROM runs WHERE status = 'running' ORDER BY id")
+
+    # steps
+    def new_step(self, run_id: int, plugin: str, state: str, params: dict | None = None, **fields: Any) -> int:
+        seq = self.conn.execute("SELECT COUNT(*) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
+        return self.db["steps"].insert(dict(run_id=run_id, seq=seq, plugin=plugin, params=dumps(params or None),
+                                            state=state, started=time.time(), **fields)).last_pk
+
+    def set_step(self, step_id: int, **fields: Any) -> None:
+        self.db["steps"].update(step_id, fields)
+
+    def finish_step(self, step_id: int, outcome: str, reason: str | None, detail: str | None = None,
+                    **fields: Any) -> None:
+        started = self.step(step_id)["started"] or time.time()
+        now = time.time()
+        self.set_step(step_id, state="done", outcome=outcome, reason=reason, detail=detail, finished=now,
+                      duration=now - started, **fields)
+
+    def step(self, step_id: int) -> dict:
+        return self.query("SELECT * FROM steps WHERE id = ?", [step_id])[0]
+
+    def steps(self, run_id: int) -> list[dict]:
+        return self.query("SELECT * FROM steps WHERE run_id = ? ORDER BY seq", [run_id])
+
+    def open_steps(self) -> list[dict]:
+        return self.query("SELECT * FROM steps WHERE state != 'done' ORDER BY id DESC")
+
+    # files and trees
+    def file_rows(self, step_id: int) -> list[dict]:
+        return self.query("SELECT * FROM files WHERE step_id = ? ORDER BY id", [step_id])
+
+    def tree_rows(self, step_id: int) -> list[dict]:
+        return self.query("SELECT * FROM trees WHERE step_id = ? ORDER BY id", [step_id])
+
+    # deployment
+    def deployed(self) -> dict[str, dict]:
+        return {r["plugin"]: r for r in self.query("SELECT * FROM deployed ORDER BY kept_at, step_id")}
+
+    def deploy(self, plugin: str, step_id: int, params: dict | None) -> None:
+        self.db["deployed"].upsert(dict(plugin=plugin, step_id=step_id, kept_at=time.time(),
+                                        params=dumps(params or None)), pk="plugin")
+
+    def undeploy(self, plugin: str) -> None:
+        with self.db.atomic():
+            self.undeploy_in_tx(plugin)
+
+    def undeploy_in_tx(self, plugin: str) -> None:
+        self.db.execute("DELETE FROM deployed WHERE plugin = ?", [plugin])
+
+    # measurements, decisions, events, processes
+    def add_measurement(self, **row: Any) -> None:
+        row["metrics"] = dumps(row.get("metrics"))
+        row["fingerprint"] = dumps(row.get("fingerprint"))
+        self.db["measurements"].insert(dict(at=time.time(), **row))
+
+    def measurements(self, step_id: int | None, run_id: int) -> list[dict]:
+        if step_id is None:
+            return self.query("SELECT * FROM measurements WHERE run_id = ? AND step_id IS NULL ORDER BY id",
+                              [run_id])
+        return self.query("SELECT * FROM measurements WHERE step_id = ? ORDER BY id", [step_id])
+
+    def add_decision(self, run_id: int, step_id: int, objective: str, decision: dict, vetoes: list[str],
+                     policy: dict) -> None:
+        fields = {k: decision.get(k) for k in ("verdict", "gain", "ci_low", "ci_high", "n_baseline", "n_candidate",
+                                                "baseline_median", "candidate_median", "rule")}
+        self.db["decisions"].insert(dict(run_id=run_id, step_id=step_id, objective=objective, **fields,
+                                         vetoes=dumps(vetoes), policy=dumps(policy), decision=dumps(decision),
+                                         at=time.time()))
+
+    def decisions_for(self, step_ids: Iterable[int]) -> dict[int, dict]:
+        ids = list(step_ids)
+        if not ids:
+            return {}
+        marks = ",".join("?" * len(ids))
+        return {r["step_id"]: r for r in self.query(
+            f"SELECT * FROM decisions WHERE step_id IN ({marks}) ORDER BY id", ids)}
+
+    def event(self, run_id: int | None, kind: str, message: str, step_id: int | None = None) -> None:
+        self.db["events"].insert(dict(run_id=run_id, step_id=step_id, at=time.time(), kind=kind, message=message))
+
+    def add_process(self, run_id: int | None, step_id: int | None, what: str, pid: int, pgid: int,
+                    create_time: float) -> int:
+        return self.db["processes"].insert(dict(run_id=run_id, step_id=step_id, what=what, pid=pid, pgid=pgid,
+                                                create_time=create_time, started=time.time())).last_pk
+
+    def end_process(self, proc_id: int) -> None:
+        self.db["processes"].update(proc_id, {"ended": time.time()})
+
+    def open_processes(self) -> list[dict]:
+        return self.query("SELECT * FROM processes WHERE ended IS NULL ORDER BY id")

@@ -1,0 +1,49 @@
+"""What every target offers the staging loop: named roots, variables, environment, default probes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class TargetConfig(BaseModel):
+    """The `target:` section of orchestrator.yaml; each kind subclasses it with its own fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: str
+
+
+class Target:
+    """A deployment plugins act on. Constructing one must not touch the disk: `prepare()` does that."""
+
+    kind: ClassVar[str]
+    Config: ClassVar[type[TargetConfig]] = TargetConfig
+
+    def __init__(self, config: TargetConfig, base_dir: Path, state_dir: Path):
+        self.config = config
+        self.base_dir = Path(base_dir)
+        self.state_dir = Path(state_dir)
+
+    @property
+    def roots(self) -> dict[str, Path]:
+        """Named folders plugins may change; the first is the default."""
+        raise NotImplementedError
+
+    @property
+    def vars(self) -> dict[str, str]:
+        return {}
+
+    def prepare(self) -> None:
+        """Create what the target needs on first use (e.g. a workspace)."""
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def default_probes(self) -> list[dict[str, Any]]:
+        """Probe specs (as in orchestrator.yaml) used when the config lists none."""
+        return []
+
+    def resolve(self, path: str) -> Path:
+        p = Path(path).expanduser()
+        return (p if p.is_absolute() else self.base_dir / p).resolve()

@@ -1,0 +1,87 @@
+"""A throw-away project (files target, test probes, chosen test plugins) and ways to run the real CLI on it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).resolve().parents[2]
+MAIN_PLUGINS = sorted(p.name for p in (FIXTURES / "plugins").iterdir())
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file (and folder, as None) under root: equality means byte-for-byte identical."""
+    out: dict[str, bytes | None] = {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+class Project:
+    def __init__(self, path: Path):
+        self.path = path
+        self.config = path / "orchestrator.yaml"
+        self.target = path / "target"
+        self.state = path / "state"
+
+    def cli(self, *args: str, timeout: float = 120, env: dict | None = None, check: int | None = None):
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "TEST_MARKER_DIR": str(self.path),
+                    **(env or {})}
+        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--config", str(self.config)],
+                              cwd=self.path, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if check is not None:
+            assert proc.returncode == check, proc.stdout + proc.stderr
+        return proc
+
+    def spawn(self, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TEST_MARKER_DIR": str(self.path)}
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args, "--config", str(self.config)],
+                                cwd=self.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def status(self, *args: str) -> dict:
+        return json.loads(self.cli("status", "--json", *args, check=0).stdout)
+
+    def outcomes(self, *args: str) -> dict[str, tuple[str, str | None]]:
+        return {s["plugin"]: (s["outcome"], s["reason"]) for s in self.status(*args)["steps"]}
+
+    def db(self):
+        import sqlite3
+        conn = sqlite3.connect(self.state / "orchestrator.db")
+        conn.row_factory = sqlite3.Row
+        return conn
+
+
+def make_project(path: Path, plugins: list[str] = MAIN_PLUGINS, extra: list[str] = (), policy: dict | None = None,
+                 speed_timeout: float = 3) -> Project:
+    shutil.copytree(FIXTURES / "target", path / "target")
+    shutil.copytree(FIXTURES / "probes", path / "probes")
+    (path / "plugins").mkdir()
+    for name in plugins:
+        shutil.copytree(FIXTURES / "plugins" / name, path / "plugins" / name)
+    for name in extra:
+        shutil.copytree(FIXTURES / "extra" / name, path / "plugins" / name)
+    config = {
+        "target": {"kind": "files", "root": "target"},
+        "plugins": "plugins",
+        "state": "state",
+        "probes": [
+            {"name": "correct", "role": "correctness", "command": ["python", "probes/correct.py"], "timeout": 30},
+            {"name": "speed", "role": "throughput", "command": ["python", "probes/speed.py"],
+             "timeout": speed_timeout, "objective": "score"},
+        ],
+        "policy": policy or {"interleave": False, "rule": "first", "repeats": 2},
+    }
+    (path / "orchestrator.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return Project(path)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Project:
+    return make_project(tmp_path / "proj")

@@ -1,0 +1,114 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from kernels.engine.config import ConfigError, load_config
+from kernels.engine.model_config import PRESETS
+
+CONFIGS = Path(__file__).resolve().parents[2] / "kernels" / "engine" / "configs"
+
+
+def write(tmp_path, text, name="serve.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_file_and_a_dict_give_the_same_config(tmp_path):
+    path = write(tmp_path, "model: tiny\nmax-num-seqs: 4\nattention-decode: [v2, v1]\n")
+    from_file, from_dict = load_config(path), load_config({"model": "tiny", "max-num-seqs": 4,
+                                                            "attention-decode": ["v2", "v1"]})
+    assert from_file.model_dump() == from_dict.model_dump()
+    assert from_file.chain("attention-decode") == ["v2", "v1"]
+    assert from_file.chain("attention-prefill") == ["pregather"]
+    assert from_file.max_model_len == PRESETS["tiny"].max_position_embeddings
+    assert from_file.source == str(path)
+
+
+@pytest.mark.parametrize("text, key, words", [
+    ("max-num-seqs: 4\nmax_num_seqs: 4\n", "max_num_seqs", "unknown key"),
+    ("speculative: true\n", "speculative", "unknown key"),
+    ("max-num-seqs: many\n", "max-num-seqs", "valid integer"),
+    ("max-num-seqs: 0\n", "max-num-seqs", "greater than or equal to 1"),
+    ("gpu-memory-utilization: 1.5\n", "gpu-memory-utilization", "less than or equal to 1"),
+    ("block-size: 12\n", "block-size", "power of two"),
+    ("enable-prefix-caching: maybe\n", "enable-prefix-caching", "valid boolean"),
+    ("device: tpu\n", "device", "cuda:N"),
+    ("dtype: float8\n", "dtype", "float32"),
+    ("attention-prefill: flash\n", "attention-prefill", "unknown prefix_prefill variant 'flash'"),
+    ("moe-dispatch: [sorted, fused]\n", "moe-dispatch", "unknown moe variant 'fused'"),
+    ("attention-decode: []\n", "attention-decode", "names no variant"),
+    ("model: gpt-9\n", "model", "neither a preset"),
+    ("num-layers: 0\n", "num-layers", "greater than or equal to 1"),
+    ("max-model-len: 100000\n", "max-model-len", "max_position_embeddings"),
+])
+def test_bad_values_name_the_file_and_the_key(tmp_path, text, key, words):
+    path = write(tmp_path, "model: tiny\n" + text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert str(exc.value).startswith(f"{path}: {key}: ")
+    assert words in str(exc.value)
+    assert exc.value.key == key
+
+
+@pytest.mark.parametrize("text, words", [("[1, 2]\n", "expected a mapping"), ("a: [\n", "not valid YAML")])
+def test_a_file_that_is_not_a_mapping_is_refused(tmp_path, text, words):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=words) as exc:
+        load_config(path)
+    assert str(path) in str(exc.value)
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="missing.yaml: -: cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_overrides_apply_on_top_of_the_file_and_errors_still_name_it(tmp_path):
+    path = write(tmp_path, "model: tiny\nmax-num-seqs: 4\n")
+    assert load_config(path, {"max-num-seqs": 8}).max_num_seqs == 8
+    with pytest.raises(ConfigError, match=f"{path}: max-num-seqs: "):
+        load_config(path, {"max-num-seqs": -1})
+
+
+def test_the_qwen_preset_is_described_without_allocating_weights():
+    cfg = load_config({"model": "qwen3.6-35b-a3b", "num-layers": 40}).hf
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size) == (2048, 16, 2, 256)
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == \
+        (256, 8, 512, 512)
+    assert cfg.vocab_size == 248_320 and cfg.rotary_dim == 64
+    assert 34e9 < cfg.num_params() < 36e9  # a 35B model
+    assert cfg.kv_bytes_per_token(2) == 80 * 1024  # the seed's 80 KB per token in bf16
+    assert load_config({"model": "qwen3.6-35b-a3b", "num-layers": 8}).hf.num_layers == 8
+
+
+def test_a_hugging_face_config_json_relative_to_the_serve_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    hf = {"text_config": {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                          "partial_rotary_factor": 0.25, "rope_theta": 1e6, "max_position_embeddings": 2048,
+                          "attn_output_gate": True}}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
+    cfg = load_config(write(tmp_path, "model: m\nnum-layers: 1\n"))
+    assert (cfg.hf.vocab_size, cfg.hf.head_size, cfg.hf.num_layers, cfg.hf.rotary_dim) == (1000, 64, 1, 16)
+    assert cfg.max_model_len == 2048
+
+    del hf["text_config"]["num_experts"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match="model: .*config.json: missing key 'num_experts'"):
+        load_config(write(tmp_path, "model: m\n"))
+
+
+@pytest.mark.parametrize("name", ["baseline.yaml", "optimized.yaml", "optimized-cpu.yaml"])
+def test_the_shipped_configs_load(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.model == "tiny"
+
+
+def test_the_baseline_is_the_seed_starting_point():
+    cfg = load_config(CONFIGS / "baseline.yaml")
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.gpu_memory_utilization) == (1, 8192, 0.9)
+    assert cfg.chain("attention-decode") == cfg.chain("attention-decode-long") == ["v1"]
+    assert cfg.chain("attention-prefill") == ["loop"] and cfg.chain("moe-dispatch") == ["gather"]

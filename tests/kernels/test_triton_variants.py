@@ -1,0 +1,72 @@
+"""Triton variants under TRITON_INTERPRET=1 (conftest.py) on small shapes, fp32 and fp16."""
+import functools
+
+import pytest
+import torch
+
+import kernels
+from kernels import check, inputs, routing
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op,variant", [("paged_decode", "v2_triton"), ("prefix_prefill", "triton"),
+                                        ("moe", "triton")])
+def test_small_shape_list(op, variant, dtype):
+    result = check.run(op, variant, "cpu", dtype, small=True)
+    assert result["passed"], result
+
+
+def _error(op, fn, args):
+    return check.check_one(fn, kernels.get(op, "reference"), args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
+def test_prefill_tiles_below_and_on_the_diagonal(dtype, block_m, block_n):
+    """Several tiles per sequence, so the unmasked loop, the diagonal and a ragged last tile all run."""
+    args = inputs.prefix_prefill([(0, 50), (21, 37), (8, 1)], num_heads=4, num_kv_heads=2, head_size=16,
+                                 block_size=8, dtype=dtype)
+    fn = functools.partial(kernels.get("prefix_prefill", "triton"), block_m=block_m, block_n=block_n, num_warps=4)
+    assert _error("prefix_prefill", fn, args) < check.TOLERANCE[dtype]
+
+
+def test_prefill_rejects_block_m_not_a_multiple_of_block_n():
+    args = inputs.prefix_prefill([(0, 4)], num_heads=2, num_kv_heads=1, head_size=16)
+    with pytest.raises(ValueError, match="block_m"):
+        kernels.get("prefix_prefill", "triton")(**args, block_m=48, block_n=32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_many_splits_and_explicit_bound(dtype):
+    """A wide block table (padding past every sequence) and a tight ``max_seq_len`` give the same answer."""
+    args = inputs.paged_decode([70, 3, 129], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, dtype=dtype)
+    fn = kernels.get("paged_decode", "v2_triton")
+    wide = {**args, "block_tables": torch.nn.functional.pad(args["block_tables"], (0, 40), value=10**6)}
+    assert _error("paged_decode", functools.partial(fn, block_n=16), wide) < check.TOLERANCE[dtype]
+    assert _error("paged_decode", functools.partial(fn, max_seq_len=129, block_n=16), args) < check.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16), dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)])
+def test_moe_block_configs_with_ragged_edges(dtype, config):
+    """hidden and intermediate not multiples of the tiles; some experts get no token."""
+    args = inputs.moe(19, hidden=48, experts=8, intermediate=40, top_k=3, dtype=dtype, unused_experts=2)
+    fn = functools.partial(kernels.get("moe", "triton"), config={**config, "num_warps": 4, "num_stages": 1})
+    assert _error("moe", fn, args) < check.TOLERANCE[dtype]
+
+
+def test_align_block_size_groups_pairs_by_expert():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 3]])
+    pairs, block_expert = routing.align_block_size(ids, num_experts=5, block_m=2)
+    flat = ids.flatten()
+    rows = pairs.view(-1, 2)
+    for blk, e in enumerate(block_expert.tolist()):
+        live = [p for p in rows[blk].tolist() if p < flat.numel()]
+        if e < 0:
+            assert not live
+        else:
+            assert live and all(flat[p] == e for p in live)
+    assert sorted(p for p in pairs.tolist() if p < flat.numel()) == list(range(flat.numel()))
+    assert block_expert.tolist()[:5] == [0, 1, 2, 2, 3]
