@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 # What changes measured speed; python and platform are informative only.
-STALE_KEYS = ("host", "gpu", "gpu_driver", "cuda", "torch", "triton", "vllm", "cpu_governor")
+STALE_KEYS = ("host", "gpu", "gpu_count", "gpu_driver", "cuda", "torch", "triton", "vllm", "cpu_governor")
 
 GOVERNOR = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
 NVIDIA_SMI_TIMEOUT = 10

@@ -49,8 +49,9 @@ class Stage:
         base = d["baseline_median"]
         if d.get("gain") is None:
             return (d.get("candidate_median"), None, None) if d.get("candidate_median") is not None else None
-        scale = lambda g: None if g is None else base * (1 + g)  # noqa: E731
-        return base * (1 + d["gain"]), scale(d.get("ci_low")), scale(d.get("ci_high"))
+        low, high = d.get("ci_low"), d.get("ci_high")
+        return (base * (1 + d["gain"]), None if low is None else base * (1 + low),
+                None if high is None else base * (1 + high))
 
 
 def _objective_samples(rows: list[dict]) -> dict[str, list[float]]:
@@ -125,14 +126,18 @@ def chart(run: dict, baseline: dict[str, list[float]], stages: list[Stage], obje
         if level is None:
             continue
         x += 1
-        labels.append(stage.plugin)
         value, low, high = level
         if stage.outcome == "kept":
+            labels.append(stage.plugin)
             _point(ax, x, value, low, high, "tab:green", "o", "kept")
             line_x.append(x)
             line_y.append(value)
-        else:
+        elif stage.outcome == "rolled_back":
+            labels.append(f"{stage.plugin}\n({stage.reason})")
             _point(ax, x, value, low, high, "tab:red", "x", "rolled back")
+        else:  # measured but not (yet) an outcome: a run in progress, or a re-validation of the stack
+            labels.append(f"{stage.plugin}\n({stage.outcome or 'unfinished'})")
+            _point(ax, x, value, low, high, "tab:orange", "D", "measured")
     if line_x:
         ax.step(line_x + [x], line_y + [line_y[-1]], where="post", color="0.6", lw=1, zorder=0, label="deployed")
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
@@ -182,6 +187,10 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
         out.append(f"- baseline: {_num(base[0])}" + (f" (median of {len(samples)} samples)" if samples else ""))
     if run.get("detail"):
         out.append(f"- detail: {run['detail']}")
+    measured = next((s.fingerprint for s in stages if s.fingerprint), None)
+    if measured:
+        out.append("- environment: " + ", ".join(f"{k} {measured.get(k)}" for k in fp.STALE_KEYS
+                                                  if measured.get(k) is not None))
     counts = {k: sum(s.outcome == k for s in stages) for k in ("kept", "rolled_back", "skipped")}
     out += ["", f"Kept {counts['kept']}, rolled back {counts['rolled_back']}, skipped {counts['skipped']}.", "",
             f"![{objective or 'objective'} at each stage]({chart_name})", "",

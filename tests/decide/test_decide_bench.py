@@ -1,8 +1,9 @@
+from types import SimpleNamespace
+
 import numpy as np
 
 from orchestrator.bench import decisions as bench
 from orchestrator.decide import DEFAULTS
-from types import SimpleNamespace
 
 
 def cell(effect, cv, drift, trials=400, rule="stat", **policy):

@@ -6,11 +6,11 @@ from orchestrator import fingerprint as fp
 
 SMI = """#!/bin/sh
 if [ "$1" = "--query-gpu=name,driver_version" ]; then
-  echo "NVIDIA H200, 570.86.15"
-  echo "NVIDIA H200, 570.86.15"
+  echo "NVIDIA H200, 580.159.04"
+  echo "NVIDIA H200, 580.159.04"
   exit 0
 fi
-echo "| NVIDIA-SMI 570.86.15   Driver Version: 570.86.15   CUDA Version: 12.8     |"
+echo "| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: 13.0     |"
 """
 
 
@@ -36,7 +36,7 @@ def test_gpu_driver_and_cuda_from_nvidia_smi(tmp_path, monkeypatch, fresh):
     governor.write_text("performance\n")
     monkeypatch.setattr(fp, "GOVERNOR", governor)
     info = fp.fingerprint(refresh=True)
-    assert (info["gpu"], info["gpu_count"], info["gpu_driver"], info["cuda"]) == ("NVIDIA H200", 2, "570.86.15", "12.8")
+    assert (info["gpu"], info["gpu_count"], info["gpu_driver"], info["cuda"]) == ("NVIDIA H200", 2, "580.159.04", "13.0")
     assert info["cpu_governor"] == "performance"
     assert info["torch"] is not None and info["torch"].startswith("2.")
     assert info["host"]
@@ -64,7 +64,7 @@ def test_fingerprint_is_cached_until_refreshed(tmp_path, monkeypatch, fresh):
     assert fp.fingerprint()["host"] != "mutated"
 
 
-BASE = {"host": "a", "gpu": "NVIDIA H200", "gpu_driver": "570", "cuda": "12.8", "torch": "2.5.1",
+BASE = {"host": "a", "gpu": "NVIDIA H200", "gpu_count": 1, "gpu_driver": "570", "cuda": "12.8", "torch": "2.5.1",
         "triton": "3.1", "vllm": "0.8.0", "cpu_governor": None, "python": "3.11.7"}
 
 
@@ -75,7 +75,8 @@ def test_identical_fingerprints_are_fresh():
 
 
 @pytest.mark.parametrize("key, value", [("gpu", "NVIDIA A100"), ("gpu_driver", "575"), ("vllm", "0.9.0"),
-                                        ("torch", "2.6.0"), ("host", "b"), ("cpu_governor", "powersave")])
+                                        ("torch", "2.6.0"), ("host", "b"), ("cpu_governor", "powersave"),
+                                        ("gpu_count", 2)])
 def test_a_change_that_moves_speed_is_stale(key, value):
     now = {**BASE, key: value}
     assert fp.is_stale(BASE, now)

@@ -1,4 +1,5 @@
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,9 +9,9 @@ from orchestrator import fingerprint as fp
 from orchestrator import report
 from orchestrator.decide import DEFAULTS, Judge
 from orchestrator.store import Store
-from types import SimpleNamespace
 
 GREEN, RED = np.array([0.173, 0.627, 0.173]), np.array([0.839, 0.153, 0.157])  # tab:green, tab:red
+ORANGE = np.array([1.0, 0.498, 0.055])  # tab:orange
 
 
 def judged(baseline, candidate):
@@ -72,6 +73,7 @@ def test_report_tells_the_story(db, tmp_path):
     assert "candidate samples: 110, 111, 109.5" in section
     assert "stale: measured under another environment (torch 1.0.0 ->" in text.split("## old-kernel")[1]
     assert "stale" not in text.split("## faster-decode")[1].split("##")[0]
+    assert f"- environment: host {fp.fingerprint()['host']}, " in text
 
 
 def pixels_near(image, color, tol=0.06):
@@ -145,3 +147,19 @@ def test_report_reads_while_a_run_holds_the_database(db, tmp_path):
         assert out.is_file() and os.path.getsize(out) > 0
     finally:
         writer.close()
+
+
+
+def test_a_run_in_progress_shows_its_measured_step_apart(tmp_path):
+    store = Store(tmp_path / "o.db")
+    run = store.start_run("run", None, "files")
+    add_step(store, run, "done-one", "kept", None, [100, 101, 99], [120, 121, 119.5])
+    step = store.new_step(run, "deciding-now", "deciding", objective="score")
+    decision = judged([120, 121, 119], [126, 127, 126.5])
+    store.add_decision(run, step, "score", decision.to_dict(), [], {})
+    store.close()
+    out = report.write_report(tmp_path / "o.db", run, tmp_path / "r")
+    text = out.read_text()
+    assert text.startswith(f"# Run {run}: running") and "| deciding-now | unfinished |" in text
+    image = imread(tmp_path / "r" / f"run-{run}.png")
+    assert pixels_near(image, ORANGE) > 20 and pixels_near(image, RED) == 0
