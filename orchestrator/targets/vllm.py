@@ -85,7 +85,7 @@ class VllmTarget(Target):
         if self.config.package:
             # a package given by path need not be the one this interpreter imports
             inherited = extra.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
-            extra["PYTHONPATH"] = str(self.package.parent) + (f":{inherited}" if inherited else "")
+            extra["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.package.parent), inherited]))
         return extra
 
     def server_command(self) -> list[str]:

@@ -32,20 +32,22 @@ plugins: {plugins}
 state: state
 probes:
   - {{name: correct, role: correctness, command: [python, -c, "print('{{\\"passed\\": true}}')"], timeout: 60}}
-  - {{name: speed, role: throughput, command: [python, -c, "print('{{\\"score\\": 1.0}}')"], timeout: 60,
-     objective: score}}
+  - {{name: speed, role: throughput, command: [python, -c, {speed}], timeout: 60, objective: score}}
 policy: {{repeats: 1}}
 """
 
 
-def deployment(tmp: Path, vllm_tree: Path) -> Path:
+CONSTANT = """print('{"score": 1.0}')"""
+
+
+def deployment(tmp: Path, vllm_tree: Path, speed: str = CONSTANT) -> Path:
     """A folder with orchestrator.yaml, a copy of the vllm package, a serve config and a model config."""
     shutil.copytree(vllm_tree, tmp / "vllm")
     (tmp / "model").mkdir()
     (tmp / "model" / "config.json").write_text(json.dumps(HF_CONFIG))
     (tmp / "serve").mkdir()
     (tmp / "serve" / "serve.yaml").write_text(SERVE.format(model=tmp / "model"))
-    (tmp / "orchestrator.yaml").write_text(CONFIG.format(plugins=OPTIMIZATIONS))
+    (tmp / "orchestrator.yaml").write_text(CONFIG.format(plugins=OPTIMIZATIONS, speed=json.dumps(speed)))
     return tmp
 
 
@@ -137,3 +139,31 @@ def test_a_changed_signature_fails_verify(vllm_pinned, tmp_path):
     outcomes = staged(folder)
     assert outcomes["decode-v2-triton"] == [("rolled_back", "verify_failed")]
     assert outcomes["decode-v2-layout"] == [("rolled_back", "verify_failed")]
+
+
+KEEPING_PROBE = """
+import json, os, pathlib, yaml
+package = pathlib.Path(os.environ["ORCHESTRATOR_ROOT_VLLM"])
+serve = yaml.safe_load((pathlib.Path(os.environ["ORCHESTRATOR_ROOT_SERVE"]) / "serve.yaml").read_text())
+shim = (package / "attention/ops/_orchestrator_prefill_triton.py").is_file()
+print(json.dumps({"score": 10 + (serve["max-num-seqs"] == 256) + shim}))
+"""
+
+
+def test_a_new_container_on_an_old_volume_restages_the_source_patches(vllm_pinned, tmp_path):
+    """The package is back to the image's files, the state and serve config are the volume's."""
+    folder = deployment(tmp_path, vllm_pinned, speed=KEEPING_PROBE)
+    pristine = digest(folder / "vllm")
+    first = cli(folder, "run")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    shim = folder / "vllm/attention/ops/_orchestrator_prefill_triton.py"
+    assert shim.is_file()
+    shutil.rmtree(folder / "vllm")
+    shutil.copytree(vllm_pinned, folder / "vllm")
+    assert digest(folder / "vllm") == pristine
+    second = cli(folder, "run")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    steps = json.loads(cli(folder, "status", "--json").stdout)["steps"]
+    outcome = {s["plugin"]: (s["outcome"], s["reason"]) for s in steps if s["outcome"] == "kept"}
+    assert outcome == {"max-num-seqs-256": ("kept", "already_applied"), "prefill-triton": ("kept", None)}
+    assert shim.is_file()

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Container entry point: stage the shipped optimizations on this image's vLLM, then serve what was kept.
+#
+#   docker run --gpus all -v orchestrator-state:/var/lib/orchestrator -e MODEL=Qwen/Qwen3-30B-A3B IMAGE [vllm serve options]
+#
+# The state volume holds orchestrator.yaml, serve.yaml (the `vllm serve --config` file plugins edit),
+# the run history and the file snapshots; both configs are written on first start and may be edited.
+# ORCHESTRATOR_SKIP_RUN=1 serves the kept configuration without staging again.
+set -euo pipefail
+
+home=${ORCHESTRATOR_HOME:-/opt/orchestrator}
+state=${ORCHESTRATOR_STATE:-/var/lib/orchestrator}
+config=$state/orchestrator.yaml
+serve=$state/serve.yaml
+
+die() { echo "entrypoint: $*" >&2; exit 2; }
+
+if [[ ! -f $serve ]]; then
+    [[ -n ${MODEL:-} ]] || die "no $serve yet: set MODEL (a Hugging Face id or a path) for the first start"
+    mkdir -p "$state"
+    { echo "model: $MODEL"; cat "$home/docker/serve.yaml"; } > "$serve.tmp"
+    mv "$serve.tmp" "$serve"
+fi
+grep -Eq '^model:[[:space:]]*[^[:space:]#]' "$serve" || die "$serve names no model: add a 'model:' line"
+if [[ ! -f $config ]]; then
+    cat > "$config.tmp" <<YAML
+# Written on first start; edit probes and policy here (docs/plugins.md).
+target:
+  kind: vllm
+  serve_config: serve.yaml
+plugins: $home/optimizations
+state: .
+YAML
+    mv "$config.tmp" "$config"
+fi
+
+# Runs a command as a child so that a `docker stop` (SIGTERM to PID 1) reaches it and its cleanup.
+child=
+forward() {
+    if [[ -n $child ]]; then
+        kill -TERM "$child" 2>/dev/null || true
+        wait "$child" 2>/dev/null || true
+    fi
+    exit 143
+}
+trap forward TERM INT
+run() { "$@" & child=$!; wait "$child"; }
+
+if [[ ${ORCHESTRATOR_SKIP_RUN:-0} != 1 ]]; then
+    status=0
+    run orchestrator run --config "$config" || status=$?
+    case $status in
+        0) ;;
+        2) die "orchestrator run rejected the configuration in $config (see above)" ;;
+        *) echo "entrypoint: orchestrator run failed ($status); restoring the last kept state" >&2
+           run orchestrator recover --config "$config" ;;
+    esac
+fi
+trap - TERM INT
+exec vllm serve --config "$serve" "$@"

@@ -1,0 +1,81 @@
+"""The shipped plugins staged by the real CLI on the engine target, with a quick throughput probe.
+
+The probe scores how many kernel and scheduling keys of the workspace serve config match the
+engine's fully optimized config, so the orchestrator's own decisions must keep exactly the plugins
+that move toward it (and the best tuning candidate), end with that config, and `rollback` must then
+restore the baseline byte for byte. Verification runs for real: the engine loads every candidate
+config and the KV-cache check runs on the workspace.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from kernels.engine.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+OPTIMIZATIONS = REPO / "optimizations"
+CONFIGS = REPO / "kernels" / "engine" / "configs"
+
+PROBE = """
+import json, os, pathlib, yaml
+workspace = pathlib.Path(os.environ["ORCHESTRATOR_ROOT_WORKSPACE"])
+current = yaml.safe_load((workspace / "serve.yaml").read_text())
+target = yaml.safe_load(pathlib.Path({optimized!r}).read_text())
+print(json.dumps({{"score": 10 + sum(current.get(k) == v for k, v in target.items())}}))
+"""
+CONFIG = """target: {{kind: engine, workspace: ws}}
+plugins: {plugins}
+state: state
+probes:
+  - {{name: correct, role: correctness, command: [python, -c, "print('{{\\"passed\\": true}}')"], timeout: 60}}
+  - name: closeness
+    role: throughput
+    objective: score
+    timeout: 60
+    command: [python, -c, {probe}]
+policy: {{rule: first, repeats: 1, min_gain: 0.02}}
+"""
+
+
+def cli(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--config", "orchestrator.yaml"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_path):
+    probe = PROBE.format(optimized=str(CONFIGS / "optimized.yaml"))
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(plugins=OPTIMIZATIONS, probe=json.dumps(probe)))
+    serve = tmp_path / "ws" / "serve.yaml"
+    serve.parent.mkdir()
+    serve.write_bytes((CONFIGS / "baseline.yaml").read_bytes())
+    run = cli(tmp_path, "run")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    status = json.loads(cli(tmp_path, "status", "--json").stdout)
+    outcomes: dict[str, list] = {}
+    for step in status["steps"]:
+        outcomes.setdefault(step["plugin"], []).append((step["outcome"], step["reason"], step.get("params")))
+
+    for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton"):
+        assert outcomes[pid] == [("skipped", "not_applicable", None)]
+    for pid in ("max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-triton",
+                "prefill-triton", "moe-triton"):
+        assert [o[:2] for o in outcomes[pid]] == [("kept", None)], (pid, outcomes[pid])
+    assert outcomes["decode-threshold-64k"][0][:2] == ("rolled_back", "regressed")
+    kept_tuning = [o[2] for o in outcomes["prefill-triton-tuning"] if o[0] == "kept"]
+    assert kept_tuning == [{"block_m": 64, "block_n": 64, "num_warps": 4}]
+    for result in outcomes.values():  # nothing failed to apply or verify
+        assert not {o[1] for o in result} & {"apply_failed", "verify_failed"}, outcomes
+
+    assert load_config(serve).model_dump() == load_config(CONFIGS / "optimized.yaml").model_dump()
+    assert yaml.safe_load(serve.read_text())["max-num-seqs"] == 256
+
+    back = cli(tmp_path, "rollback", "--all")
+    assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
+    assert serve.read_bytes() == (CONFIGS / "baseline.yaml").read_bytes()

@@ -1,0 +1,92 @@
+"""max-num-seqs-256's verify: the seed's KV-cache arithmetic from the model config, on both targets,
+run the way the orchestrator runs it (hook_runner in a child process, cwd = the serve root)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = REPO / "optimizations" / "max-num-seqs-256"
+HOOK_RUNNER = REPO / "orchestrator" / "hook_runner.py"
+ARGS = {"serve_config": "serve.yaml", "seqs": 256, "tokens": 2048}
+
+# Qwen3.6-35B-A3B as the seed counts it: 40 layers x 2 KV heads x 256 x 2 (K, V) x 2 bytes = 80 KiB per token
+QWEN36 = {"hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+          "head_dim": 256, "torch_dtype": "bfloat16"}
+SEED_NEED = 256 * 2048 * 80 * 1024  # 40 GiB (42.9e9 bytes; the seed rounds it to "41.9 GB")
+
+
+def hook(root: Path, function: str, env: dict | None = None, **args) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env.pop("ORCHESTRATOR_VLLM_MODEL", None)
+    return subprocess.run([sys.executable, str(HOOK_RUNNER), str(PLUGIN), function, json.dumps({**ARGS, **args}),
+                           "check"], cwd=root, env=full_env, capture_output=True, text=True, timeout=120)
+
+
+def vllm_deployment(tmp_path: Path, serve: str, config: dict = QWEN36) -> Path:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "serve.yaml").write_text(serve)
+    return tmp_path
+
+
+def test_vllm_seed_arithmetic_fits_in_45_gb(tmp_path):
+    root = vllm_deployment(tmp_path, "model: model\nkv-cache-memory-bytes: 45000000000\n")
+    result = hook(root, "kv_cache_fits_vllm")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "80.0 KiB/token" in result.stdout and "40.00 GiB fits" in result.stdout
+
+
+def test_vllm_too_little_cache_fails_with_the_numbers(tmp_path):
+    root = vllm_deployment(tmp_path, f"model: model\nkv-cache-memory-bytes: {SEED_NEED - 1}\n")
+    result = hook(root, "kv_cache_fits_vllm")
+    assert result.returncode == 1
+    assert "does NOT fit" in result.stdout
+
+
+def test_vllm_fp8_cache_and_hybrid_layers_count(tmp_path):
+    """Only full-attention layers hold KV (Qwen3.6 interleaves 3 linear-attention layers per full one)."""
+    hybrid = {**QWEN36, "layer_types": ["linear_attention"] * 3 * 10 + ["full_attention"] * 10}
+    root = vllm_deployment(tmp_path, "model: model\nkv-cache-dtype: fp8\nkv-cache-memory-bytes: 6000000000\n",
+                           hybrid)
+    result = hook(root, "kv_cache_fits_vllm")
+    assert result.returncode == 0, result.stdout
+    assert "10.0 KiB/token" in result.stdout  # 10 layers x 2 x 256 x 2 x 1 byte
+
+
+def test_vllm_model_from_the_hugging_face_cache(tmp_path):
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3.6-35B-A3B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(QWEN36))
+    (tmp_path / "serve.yaml").write_text("model: Qwen/Qwen3.6-35B-A3B\nkv-cache-memory-bytes: 45000000000\n")
+    result = hook(tmp_path, "kv_cache_fits_vllm", env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("serve, why", [
+    ("max-num-seqs: 256\n", "names no model"),
+    ("model: nowhere/to-be-found\n", "neither a local folder nor in the Hugging Face cache"),
+    ("model: model\n", "no GPU is visible and the serve config sets no kv-cache-memory-bytes"),
+])
+def test_vllm_not_verifiable_says_why(tmp_path, serve, why):
+    root = vllm_deployment(tmp_path, serve)
+    result = hook(root, "kv_cache_fits_vllm", env={"HF_HUB_CACHE": str(tmp_path / "empty-hub"),
+                                                    "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 1
+    assert result.stdout.startswith("not verifiable: ") and why in result.stdout
+
+
+def test_engine_check_reads_the_workspace_serve_config(tmp_path):
+    baseline = (REPO / "kernels" / "engine" / "configs" / "baseline.yaml").read_text()
+    # tiny preset on the CPU: 2 x 2 layers x 2 kv heads x 32 x 4 bytes = 1 KiB per token -> 512 MiB needed
+    (tmp_path / "serve.yaml").write_text(baseline + "device: cpu\nkv-cache-memory: 600000000\n")
+    fits = hook(tmp_path, "kv_cache_fits_engine")
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    (tmp_path / "serve.yaml").write_text(baseline + "device: cpu\nkv-cache-memory: 500000000\n")
+    too_small = hook(tmp_path, "kv_cache_fits_engine")
+    assert too_small.returncode == 1 and "does NOT fit" in too_small.stdout

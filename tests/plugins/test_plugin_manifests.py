@@ -1,0 +1,118 @@
+"""The shipped plugins as data: they load on every target kind they name, each engine plugin changes
+the baseline serve config into one the engine accepts, and all of them kept reproduce the engine's
+fully optimized config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kernels
+from kernels.engine.config import KERNEL_KEYS, load_config
+from orchestrator.plugin import load_all
+from orchestrator.steps import StepContext, compute
+
+REPO = Path(__file__).resolve().parents[2]
+OPTIMIZATIONS = REPO / "optimizations"
+CONFIGS = REPO / "kernels" / "engine" / "configs"
+
+SHIPPED = {
+    "max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095",              # the seed's serve config
+    "decode-v2-long", "decode-v2-triton", "decode-v2-layout", "decode-threshold-64k",  # decode
+    "prefill-pregather", "prefill-triton", "prefill-triton-tuning",            # prefix prefill
+    "moe-sorted", "moe-triton",                                                 # MoE
+    "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
+}
+
+
+def engine_plugins(workspace: Path):
+    roots = {"workspace": workspace, "serve": workspace}
+    return [p for p in load_all(OPTIMIZATIONS, roots, {"serve_config": "serve.yaml"})
+            if "engine" in p.manifest.targets], roots
+
+
+def apply_engine(plugin, variant, roots, files: dict[Path, bytes]) -> dict[Path, bytes]:
+    """The plugin's engine steps on `files` (path -> bytes), in memory; returns the new mapping."""
+    ctx = StepContext(roots=roots, kind="engine", plugin_dir=plugin.folder, env={})
+    files = dict(files)
+    for step in variant.apply:
+        if step.runs_on("engine"):
+            assert step.kind == "yaml_set", f"{plugin.id}: engine plugins edit the serve config only"
+            _, _, full, data = compute(step, ctx, lambda p: files.get(p, p.read_bytes() if p.is_file() else None))
+            files[full] = data
+    return files
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Path:
+    (tmp_path / "serve.yaml").write_bytes((CONFIGS / "baseline.yaml").read_bytes())
+    return tmp_path
+
+
+def test_every_folder_is_one_shipped_plugin_named_by_its_id():
+    folders = {p.name for p in OPTIMIZATIONS.iterdir() if p.is_dir() and (p / "plugin.yaml").is_file()}
+    assert folders == SHIPPED
+    for name in folders:
+        assert yaml.safe_load((OPTIMIZATIONS / name / "plugin.yaml").read_text())["id"] == name
+
+
+@pytest.mark.parametrize("kind, roots", [("engine", ("workspace", "serve")), ("vllm", ("vllm", "serve"))])
+def test_plugins_load_for_each_target_kind(tmp_path, kind, roots):
+    plugins = load_all(OPTIMIZATIONS, {r: tmp_path for r in roots}, {"serve_config": "serve.yaml"})
+    assert {p.id for p in plugins} == SHIPPED
+    for p in plugins:
+        assert len(p.manifest.description.split()) >= 25, f"{p.id}: say what it changes and what to do about it"
+        assert "files" not in p.manifest.targets, p.id
+
+
+def test_fork_fixes_are_vllm_only_and_anchored(tmp_path):
+    plugins = load_all(OPTIMIZATIONS, {"vllm": tmp_path, "serve": tmp_path}, {"serve_config": "serve.yaml"})
+    for p in plugins:
+        if p.id.startswith("fork-"):
+            assert p.manifest.targets == ["vllm"]
+            assert any(c.kind == "contains" for c in p.manifest.applies_if), p.id
+
+
+def test_each_engine_plugin_changes_the_baseline_into_a_valid_config(workspace):
+    plugins, roots = engine_plugins(workspace)
+    baseline = load_config(workspace / "serve.yaml")
+    for plugin in plugins:
+        for variant in plugin.variants:
+            files = apply_engine(plugin, variant, roots, {})
+            (path, data), = files.items()
+            assert path == workspace / "serve.yaml"
+            candidate = workspace / "candidate.yaml"
+            candidate.write_bytes(data)
+            cfg = load_config(candidate)  # raises ConfigError naming the key if a plugin wrote a bad value
+            changed = {k for k in type(cfg).model_fields if getattr(cfg, k) != getattr(baseline, k)}
+            if variant.params != {"block_m": 64, "block_n": 64, "num_warps": 8}:  # the baseline's own values
+                assert changed, f"{plugin.id} {variant.label} changes nothing on the engine"
+            for key in KERNEL_KEYS:
+                for name in cfg.chain(key):
+                    assert name in kernels.variants(KERNEL_KEYS[key])
+            assert data.startswith(b"# The seed deployment's starting point"), "comments are kept"
+
+
+def test_all_engine_plugins_kept_give_the_optimized_config(workspace):
+    plugins, roots = engine_plugins(workspace)
+    files: dict[Path, bytes] = {}
+    for plugin in plugins:
+        wanted = [v for v in plugin.variants if v.params in ({}, {"block_m": 64, "block_n": 64, "num_warps": 4})]
+        files = apply_engine(plugin, wanted[0], roots, files)
+    (workspace / "serve.yaml").write_bytes(files[workspace / "serve.yaml"])
+    assert load_config(workspace / "serve.yaml").model_dump() == load_config(CONFIGS / "optimized.yaml").model_dump()
+
+
+def test_tuning_searches_the_seed_parameter_space(workspace):
+    plugins, _ = engine_plugins(workspace)
+    tuning = next(p for p in plugins if p.id == "prefill-triton-tuning")
+    assert [v.params for v in tuning.variants] == [
+        {"block_m": m, "block_n": n, "num_warps": w} for m in (64, 128) for n in (64, 128) for w in (4, 8)]
+
+
+def test_plugin_table_lists_every_plugin():
+    table = (REPO / "docs" / "plugins.md").read_text()
+    for pid in SHIPPED:
+        assert f"`{pid}`" in table, pid
+    assert "CCCL" in table

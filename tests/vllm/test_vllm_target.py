@@ -1,0 +1,180 @@
+"""The vllm target kind and the patch checker its plugins verify with."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import patchcheck
+from orchestrator.loading import ConfigError
+from orchestrator.targets import target_class
+from orchestrator.targets.vllm import VllmTarget, deployed_kernels, find_package
+from vllm_source import OPTIMIZATIONS, REPO
+
+
+def make(tmp_path: Path, **fields) -> VllmTarget:
+    config = VllmTarget.Config(**{"kind": "vllm", **fields})
+    return VllmTarget(config, tmp_path, tmp_path / "state")
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('vllm must not be imported')\n")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "serve.yaml").write_text("model: Qwen/Qwen3-30B-A3B\nmax-num-seqs: 1\n")
+    return tmp_path
+
+
+def test_registry_maps_the_kind_to_this_class():
+    assert target_class("vllm") is VllmTarget
+
+
+def test_roots_vars_and_env(deployment):
+    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", env={"VLLM_USE_V1": "0"},
+                  model="my/model")
+    assert target.roots == {"vllm": deployment / "site" / "vllm", "serve": deployment / "conf"}
+    assert list(target.roots) == ["vllm", "serve"]  # the package is the default root
+    assert target.vars == {"serve_config": "serve.yaml"}
+    target.prepare()
+    env = target.env()
+    assert env["VLLM_USE_V1"] == "0" and env["ORCHESTRATOR_VLLM_MODEL"] == "my/model"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(deployment / "site")
+
+
+def test_default_probes_serve_the_config_and_check_deployed_kernels(deployment):
+    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", model="my/model")
+    kernels_probe, serving = target.default_probes()
+    assert kernels_probe["role"] == "correctness"
+    assert kernels_probe["command"] == ["python", "-m", "orchestrator.targets.vllm", "check-kernels"]
+    assert serving["role"] == "throughput" and serving["objective"] == "score"
+    assert serving["command"][:4] == ["python", "-m", "orchestrator.probes.serving", "--server-cmd"]
+    server = shlex.split(serving["command"][4])
+    assert server[1:] == ["-m", "vllm.entrypoints.cli.main", "serve", "my/model", "--config",
+                          str(deployment / "conf" / "serve.yaml"), "--host", "{host}", "--port", "{port}"]
+
+
+def test_installed_package_is_found_without_importing_it(deployment, monkeypatch):
+    monkeypatch.syspath_prepend(str(deployment / "site"))
+    assert find_package() == deployment / "site" / "vllm"
+    assert "vllm" not in sys.modules
+    target = make(deployment, serve_config="conf/serve.yaml")
+    assert target.roots["vllm"] == deployment / "site" / "vllm"
+    assert "PYTHONPATH" not in target.env()
+
+
+def test_no_vllm_anywhere_names_the_field(deployment, monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("importlib.metadata.distribution", not_installed)
+    with pytest.raises(ConfigError, match="target.package"):
+        make(deployment, serve_config="conf/serve.yaml").roots
+
+
+@pytest.mark.parametrize("fields, field, words", [
+    ({"package": "nowhere/vllm", "serve_config": "conf/serve.yaml"}, "target.package", "not a vllm package"),
+    ({"package": "site/vllm", "serve_config": "conf/missing.yaml"}, "target.serve_config", "does not exist"),
+])
+def test_prepare_names_the_bad_field(deployment, fields, field, words):
+    with pytest.raises(ConfigError, match=field) as err:
+        make(deployment, **fields).prepare()
+    assert words in str(err.value)
+
+
+def test_a_serve_config_without_model_needs_the_override(deployment):
+    (deployment / "conf" / "serve.yaml").write_text("max-num-seqs: 1\n")
+    with pytest.raises(ConfigError, match="names no `model:`"):
+        make(deployment, package="site/vllm", serve_config="conf/serve.yaml").prepare()
+    make(deployment, package="site/vllm", serve_config="conf/serve.yaml", model="m").prepare()
+
+
+def test_unknown_config_keys_are_rejected():
+    with pytest.raises(Exception, match="serve_confg"):
+        VllmTarget.Config(kind="vllm", serve_confg="x.yaml")
+
+
+def test_deployed_kernels_are_read_from_the_shims():
+    assert deployed_kernels(OPTIMIZATIONS) == [("paged_decode", "v2_layout"), ("paged_decode", "v2_triton"),
+                                               ("prefix_prefill", "triton")]
+
+
+def test_check_kernels_probe_checks_what_is_deployed(tmp_path):
+    package = tmp_path / "vllm"
+    package.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ORCHESTRATOR_ROOT_VLLM": str(package)}
+    probe = [sys.executable, "-m", "orchestrator.targets.vllm", "check-kernels"]
+    nothing = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120)
+    assert nothing.returncode == 0 and json.loads(nothing.stdout.splitlines()[-1]) == {"passed": True, "checked": []}
+    shim = OPTIMIZATIONS / "decode-v2-triton" / "files" / "_orchestrator_decode_v2_triton.py"
+    (package / shim.name).write_bytes(shim.read_bytes())
+    one = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
+    result = json.loads(one.stdout.splitlines()[-1])
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert [(r["op"], r["variant"], r["passed"]) for r in result["checked"]] == [("paged_decode", "v2_triton", True)]
+
+
+# ------------------------------------------------------------------ patchcheck
+
+
+SOURCE = """
+class PagedAttention:
+    @staticmethod
+    def forward_decode(query, key_cache, *, scale, **extra):
+        return query
+
+
+def op(a, b=1, /, c=2, *args):
+    pass
+"""
+
+
+def run_check(path: Path, *functions: str) -> subprocess.CompletedProcess:
+    args = [a for f in functions for a in ("--function", f)]
+    return subprocess.run([sys.executable, "-m", "orchestrator.patchcheck", str(path), *args],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+
+
+def test_patchcheck_accepts_matching_signatures_and_writes_nothing(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text(SOURCE)
+    result = run_check(path, "PagedAttention.forward_decode(query, key_cache, *, scale, **extra)",
+                       "op(a, b, /, c, *args)", "op")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mod.py"]  # no __pycache__
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("PagedAttention.forward_decode(query, key_cache, scale)", "has parameters (query, key_cache, *, scale, **extra)"),
+    ("PagedAttention.forward_prefix", "no definition 'PagedAttention.forward_prefix'"),
+    ("PagedAttention", "is not a function"),
+    ("op(a, b", "must end with ')'"),
+])
+def test_patchcheck_failures_say_what_differs(tmp_path, spec, message):
+    path = tmp_path / "mod.py"
+    path.write_text(SOURCE)
+    result = run_check(path, spec)
+    assert result.returncode == 1
+    assert message in result.stderr
+
+
+def test_patchcheck_names_file_and_line_of_a_syntax_error(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text(SOURCE + "    try:\n        x = 1\n")
+    result = run_check(path)
+    assert result.returncode == 1
+    assert f"{path}:11: does not compile" in result.stderr
+
+
+def test_signature_markers():
+    import ast
+
+    fn = ast.parse("def f(a, /, b, *c, d, **e): pass").body[0]
+    assert patchcheck.signature(fn) == ["a", "/", "b", "*c", "d", "**e"]
