@@ -43,7 +43,8 @@ def _gathered(query, key_cache, value_cache, block_tables, seq_lens, partition=N
     else:
         k, v = gather_native(key_cache, value_cache, tables)
     q = query.float().view(num_seqs, kvh, num_heads // kvh, d)
-    return q, k[:, :, :length].float(), v[:, :, :length].float()
+    blank = ~_valid(seq_lens, length)[:, None, :, None]  # slots past a context may hold NaN: 0 * NaN is NaN
+    return q, k[:, :, :length].float(), v[:, :, :length].float().masked_fill(blank, 0.0)
 
 
 def _valid(seq_lens, length):

@@ -36,13 +36,14 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD], tl.float32)
     k_col = (d // X) * sk2 + d % X  # offset of each head dim inside a block's K
+    j = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < end
-        blk = tl.load(BT + seq * sbt0 + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = n % BLOCK_SIZE
+        col, slot, first = triton_env.paged_tile(n0, j, BLOCK_N, BLOCK_SIZE)
+        valid = n0 + j < end
+        blk_ok = first < end  # whole blocks: the slots past ``end`` are read, then masked out
+        blk = tl.load(BT + seq * sbt0 + col, mask=blk_ok, other=0).to(tl.int64)
         k = tl.load(K + blk[None, :] * sk0 + kvh * sk1 + k_col[:, None] + slot[None, :] * sk3,
-                    mask=valid[None, :], other=0.0)
+                    mask=blk_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -50,7 +51,8 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + blk[:, None] * sv0 + kvh * sv1 + d[None, :] * sv2 + slot[:, None] * sv3,
-                    mask=valid[:, None], other=0.0)
+                    mask=blk_ok[:, None], other=0.0)
+        v = tl.where(valid[:, None], v, 0.0)  # unwritten slots may hold NaN, and 0 * NaN is NaN
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_i = tl.where(l_i > 0, l_i, 1.0)  # empty split: nothing is stored, avoid 0/0
@@ -97,6 +99,8 @@ def paged_decode_v2_triton(query, key_cache, value_cache, block_tables, seq_lens
         return out
     bound = max_seq_len or block_tables.shape[1] * block_size
     block_n = max(16, min(block_n, triton_env.pow2(bound)))
+    if block_n % block_size and block_size % block_n:
+        raise ValueError(f"block_n {block_n} and the cache's block size {block_size} must divide one another")
     want = 4 * triton_env.num_sms(query.device)  # programs that keep every SM busy with a few to spare
     splits = max(1, min(-(-want // (num_seqs * kvh)), -(-bound // block_n)))
     split_len = -(-(-(-bound // splits)) // block_n) * block_n

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import bench
+from kernels.moe_triton import _config
+from kernels.routing import align_block_size, route
 
 
 class Report:
@@ -106,9 +108,9 @@ def decode_tables(rep, copy_gbps, quick):
 def decode_tuning(rep, copy_gbps):
     fn = kernels.get("paged_decode", "v2_triton")
     rows = []
-    for b, c in [(32, 4096), (32, 8192), (128, 32768), (1, 32768)]:
+    for b, c in [(32, 4096), (128, 32768)]:
         args, nbytes, _ = bench.decode_workload(batch=b, context=c)
-        for block_n in (32, 64, 128):
+        for block_n in (32, 64):
             for warps in (4, 8):
                 for stages in (2, 3):
                     ms = _time(lambda: fn(**args, block_n=block_n, num_warps=warps, num_stages=stages))
@@ -125,7 +127,7 @@ def sdpa_prefill(args):
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args["scale"], enable_gqa=True)
 
 
-PREFILL_CONFIGS = [(128, 64, 8), (128, 32, 8), (64, 64, 4), (64, 32, 4), (128, 64, 4), (64, 64, 8)]
+PREFILL_CONFIGS = [(128, 64, 8), (128, 32, 8), (64, 32, 4)]
 
 
 def prefill_tables(rep, mm_tflops, quick):
@@ -151,12 +153,13 @@ def prefill_tables(rep, mm_tflops, quick):
               ["context", "new tokens", "variant", "block_m/block_n/warps", "ms", "TFLOP/s", "% matmul"], rows)
 
 
-MOE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
-               dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
-               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-               dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
-               dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-               dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)]
+MOE_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for m, n, k, w, st in [
+    (16, 64, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+    (128, 128, 64, 8, 3)]]
+
+
+def moe_triton_block_m(tokens: int) -> int:
+    return _config(tokens * bench.MOE["top_k"], bench.MOE["experts"])["BLOCK_M"]
 
 
 def moe_tables(rep, copy_gbps, mm_tflops, quick):
@@ -172,13 +175,16 @@ def moe_tables(rep, copy_gbps, mm_tflops, quick):
             ms = _time(lambda: fn(**args))
             rep.rows.append(dict(table="moe", tokens=t, variant=v, ms=ms))
             row.append(ms)
+        block_m = moe_triton_block_m(t)
+        route_ms = _time(lambda: align_block_size(route(args["router_logits"], 8, True)[1], 256, block_m))
         best = None
         for cfg in MOE_CONFIGS:
             ms = _time(lambda: tri(**args, config=cfg))
-            tune.append([t, "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")), ms])
+            tune.append([t, "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")),
+                         ms])
             best = ms if ms and (best is None or ms < best) else best
         tri_ms = row[-1]
-        row += [best, f"{tri_ms / floor_ms:.2f}x" if tri_ms else "n/a",
+        row += [best, route_ms, f"{tri_ms / floor_ms:.2f}x" if tri_ms else "n/a",
                 nbytes / tri_ms / 1e6 if tri_ms else None, flops / tri_ms / 1e9 if tri_ms else None]
         rows.append(row)
         del args
@@ -186,8 +192,9 @@ def moe_tables(rep, copy_gbps, mm_tflops, quick):
     rep.table(f"MoE, bf16, 256 experts top-8, hidden 2048, intermediate 512 (floor: max of weight bytes at "
               f"{copy_gbps:.0f} GB/s, FLOPs at {mm_tflops:.0f} TFLOP/s)",
               ["tokens", "floor ms", "gather ms", "sorted ms", "grouped_mm ms", "triton ms", "triton best config ms",
+               "routing + align ms (in triton)",
                "triton / floor", "triton GB/s", "triton TFLOP/s"], rows)
-    rep.table("moe triton configurations (BLOCK_M/BLOCK_N/BLOCK_K/warps)", ["tokens", "config", "ms"], tune)
+    rep.table("moe triton configurations (BLOCK_M/BLOCK_N/BLOCK_K/warps/stages)", ["tokens", "config", "ms"], tune)
 
 
 def main(argv=None) -> int:

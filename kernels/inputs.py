@@ -1,7 +1,9 @@
 """Random, valid inputs for each op, shared by the checks, the benches and the tests.
 
 Block tables list blocks in a shuffled order and pad with an out-of-range block id, so a kernel that
-reads a padding entry or assumes contiguous blocks faults or fails its check.
+reads a padding entry or assumes contiguous blocks faults or fails its check. Cache slots that hold
+no token (unused blocks, the tail of each sequence's last block) are NaN, as uninitialised memory
+may be: a kernel that lets them into its result fails.
 """
 from __future__ import annotations
 
@@ -15,6 +17,17 @@ def _cache(num_blocks, kv_heads, head_size, block_size, dtype, device, gen):
     k = torch.randn(num_blocks, kv_heads, head_size // x, block_size, x, generator=gen, device=device).to(dtype)
     v = torch.randn(num_blocks, kv_heads, head_size, block_size, generator=gen, device=device).to(dtype)
     return k, v
+
+
+def _blank_unused(k, v, tables, lens, block_size):
+    """NaN into every cache slot that no sequence's first ``lens[i]`` tokens occupy."""
+    used = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
+    for row, n in zip(tables.tolist(), lens):
+        for t in range(0, n, block_size):
+            used[row[t // block_size], : min(block_size, n - t)] = True
+    used = used.to(k.device)
+    k.masked_fill_(~used[:, None, None, :, None], float("nan"))
+    v.masked_fill_(~used[:, None, None, :], float("nan"))
 
 
 def _tables(lens, block_size, device, gen, spare=2):
@@ -42,6 +55,7 @@ def paged_decode(seq_lens, num_heads=16, num_kv_heads=2, head_size=256, block_si
     gen = _generator(device, seed)
     tables, num_blocks = _tables(seq_lens, block_size, device, gen)
     k, v = _cache(num_blocks, num_kv_heads, head_size, block_size, dtype, device, gen)
+    _blank_unused(k, v, tables, seq_lens, block_size)
     q = torch.randn(len(seq_lens), num_heads, head_size, generator=gen, device=device).to(dtype)
     return dict(query=q, key_cache=k, value_cache=v, block_tables=tables,
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), scale=1 / math.sqrt(head_size))
@@ -54,6 +68,7 @@ def prefix_prefill(seqs, num_heads=16, num_kv_heads=2, head_size=256, block_size
     ctx = [c for c, _ in seqs]
     tables, num_blocks = _tables(ctx, block_size, device, gen)
     k, v = _cache(num_blocks, num_kv_heads, head_size, block_size, dtype, device, gen)
+    _blank_unused(k, v, tables, ctx, block_size)
     total = sum(n for _, n in seqs)
     starts = [0]
     for _, n in seqs:

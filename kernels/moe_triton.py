@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _grouped_gemm(A, W, OUT, PAIRS, BLOCK_EXPERT, ROUTE_W, num_pairs, n_out, k_in,
                   sa0, sw0, sw1, so0, gate_off,
-                  TOP_K: tl.constexpr, GATED: tl.constexpr, A_IS_TOKENS: tl.constexpr,
+                  TOP_K: tl.constexpr, GATED: tl.constexpr, A_IS_TOKENS: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """OUT[pair] = act(A[row] @ W[e]ᵀ) for the BLOCK_M pairs of one expert block, one BLOCK_N column tile.
 
@@ -44,7 +44,10 @@ def _grouped_gemm(A, W, OUT, PAIRS, BLOCK_EXPERT, ROUTE_W, num_pairs, n_out, k_i
         if GATED:
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_in, BLOCK_K):
-            k_ok = k + k0 < k_in
+            if EVEN_K:  # no mask along k: the loads stay full-width vectors
+                k_ok = k < BLOCK_K
+            else:
+                k_ok = k + k0 < k_in
             a = tl.load(a_ptr, mask=live[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -65,7 +68,7 @@ def _config(num_pairs: int, num_experts: int) -> dict:
     """Small row blocks when experts see few tokens (decode: weight streaming), larger when they see many."""
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -87,10 +90,10 @@ def moe_triton(hidden_states, router_logits, w13, w2, top_k, renormalize=True, c
     _grouped_gemm[(block_expert.numel(), triton.cdiv(inter, block_n))](
         x, w13, act, pairs, block_expert, weights, num_pairs, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter,
-        GATED=True, A_IS_TOKENS=True, **launch)
+        GATED=True, A_IS_TOKENS=True, EVEN_K=hidden % launch["BLOCK_K"] == 0, **launch)
     y = x.new_empty(num_pairs, hidden)
     _grouped_gemm[(block_expert.numel(), triton.cdiv(hidden, block_n))](
         act, w2, y, pairs, block_expert, weights, num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), 0,
-        GATED=False, A_IS_TOKENS=False, **launch)
+        GATED=False, A_IS_TOKENS=False, EVEN_K=inter % launch["BLOCK_K"] == 0, **launch)
     return y.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)

@@ -53,15 +53,17 @@ def _prefill_kernel(Q, Kn, Vn, Kc, Vc, BT, QSL, CTX, OUT, scale,
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
         k_col = (d // X) * skc2 + d % X
+        j = tl.arange(0, BLOCK_N)
         for n0 in range(0, ctx, BLOCK_N):  # the cached context, through the block table
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = n < ctx
-            blk = tl.load(BT + seq * sbt0 + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            slot = n % BLOCK_SIZE
+            col, slot, first = triton_env.paged_tile(n0, j, BLOCK_N, BLOCK_SIZE)
+            valid = n0 + j < ctx
+            blk_ok = first < ctx  # whole blocks: the slots past ``ctx`` are read, then masked out
+            blk = tl.load(BT + seq * sbt0 + col, mask=blk_ok, other=0).to(tl.int64)
             k = tl.load(Kc + blk[None, :] * skc0 + kvh * skc1 + k_col[:, None] + slot[None, :] * skc3,
-                        mask=valid[None, :], other=0.0)
+                        mask=blk_ok[None, :], other=0.0)
             v = tl.load(Vc + blk[:, None] * svc0 + kvh * svc1 + d[None, :] * svc2 + slot[:, None] * svc3,
-                        mask=valid[:, None], other=0.0)
+                        mask=blk_ok[:, None], other=0.0)
+            v = tl.where(valid[:, None], v, 0.0)  # unwritten slots may hold NaN, and 0 * NaN is NaN
             m_i, l_i, acc = _online(q, k, v, m_i, l_i, acc, valid[None, :], PRECISION, True)
         kn = Kn + kvh * skn1 + q_start.to(tl.int64) * skn0
         vn = Vn + kvh * svn1 + q_start.to(tl.int64) * svn0
@@ -92,6 +94,8 @@ def prefix_prefill_triton(query, key, value, key_cache, value_cache, block_table
     block_m, block_n, num_warps = block_m or 128, block_n or 64, num_warps or 8
     if block_m % block_n or block_n < 16:
         raise ValueError(f"block_m {block_m} must be a multiple of block_n {block_n}, and block_n >= 16")
+    if block_n % block_size and block_size % block_n:
+        raise ValueError(f"block_n {block_n} and the cache's block size {block_size} must divide one another")
     out = torch.empty_like(query)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:

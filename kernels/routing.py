@@ -34,7 +34,9 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     """(order, counts): flat pair indices sorted by expert (stable) and the pairs per expert."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the maximum back to the host, stalling the launch queue
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     return order, counts
 
 

@@ -28,3 +28,25 @@ def num_sms(device: torch.device) -> int:
 
 def pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
+
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def paged_tile(n0, j, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(block-table column, slot in block, first token of the slot's block) for tokens ``n0 + j``.
+
+    ``n0`` is a multiple of BLOCK_N. Built from ``j = arange(BLOCK_N)`` alone so that Triton's axis
+    analysis sees runs of contiguous slots and vectorises the cache loads; masks made from the
+    third value are constant within a block, which keeps those loads vectorised too.
+    """
+    if BLOCK_N >= BLOCK_SIZE:
+        col = n0 // BLOCK_SIZE + j // BLOCK_SIZE
+        slot = j % BLOCK_SIZE
+        first = n0 + (j // BLOCK_SIZE) * BLOCK_SIZE
+    else:
+        col = n0 // BLOCK_SIZE + j * 0
+        slot = n0 % BLOCK_SIZE + j
+        first = n0 - n0 % BLOCK_SIZE + j * 0
+    return col, slot, first

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shutil
 import signal
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Callable, List, Optional
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.text import Text
 
 from orchestrator.errors import UserError
@@ -36,10 +38,10 @@ def command(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            err.print(f"[red]error:[/] {e}", highlight=False)
+            err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
         except UserError as e:
-            err.print(f"[red]error:[/] {e}", highlight=False)
+            err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
     return wrapper
 
@@ -51,7 +53,9 @@ def _project(config: Optional[Path]):
 
 def _plugins(project):
     from orchestrator.plugin import load_all
-    return load_all(project.plugins_dir, project.target.roots, project.target.vars)
+    if not project.plugins_dir.is_dir():
+        raise ConfigError(project.source or "<embedded default>", "plugins", f"{project.plugins_dir} is not a folder")
+    return load_all(project.plugins_dir, project.target.roots, project.target.vars, project.policy)
 
 
 def _open(project):
@@ -119,6 +123,7 @@ def run(config: Optional[Path] = ConfigOpt,
     with state_lock(project.state_dir):
         store, journal = _open(project)
         _recover(store, journal)
+        shutil.rmtree(project.state_dir / "tmp", ignore_errors=True)  # output files of processes a crash left
         project.target.prepare()
 
         def stop(signum, frame):
@@ -175,7 +180,6 @@ def status(config: Optional[Path] = ConfigOpt,
 @command
 def plan(config: Optional[Path] = ConfigOpt) -> None:
     """The ordered plan, preconditions and the diff each plugin would make. Changes nothing."""
-    from orchestrator.journal import Journal
     from orchestrator.plan import build_plan
     from orchestrator.store import Store
     project = _project(config)
@@ -184,6 +188,10 @@ def plan(config: Optional[Path] = ConfigOpt) -> None:
     if project.db_path.exists():
         store = Store(project.db_path, readonly=True)
         kept = set(store.deployed())
+    for root in dict.fromkeys(project.target.roots.values()):
+        if not root.exists():
+            console.print(f"[yellow]{root} does not exist yet: the first `orchestrator run` creates it; "
+                          "steps on its files are shown failing until then[/]", highlight=False, soft_wrap=True)
     for i, item in enumerate(build_plan(project, plugins, kept), 1):
         m = item.plugin.manifest
         head = f"[bold]{i}. {m.id}[/] (order {m.order})" + (f" – {m.description}" if m.description else "")
@@ -249,7 +257,10 @@ def plugins_list(config: Optional[Path] = ConfigOpt) -> None:
     from rich.table import Table
     project = _project(config)
     table = Table(title=str(project.plugins_dir))
-    for col in ("order", "id", "description", "requires", "after", "targets", "params"):
+    table.add_column("order")
+    table.add_column("id", no_wrap=True)
+    table.add_column("description", overflow="ellipsis", no_wrap=True, max_width=60)
+    for col in ("requires", "after", "targets", "params"):
         table.add_column(col)
     for p in _plugins(project):
         m = p.manifest
@@ -273,10 +284,11 @@ def plugins_validate(path: Optional[Path] = typer.Argument(None, help="a plugin 
     if (path / MANIFEST).is_file():
         plugins = [load_plugin(path, roots, variables)]
     elif path.is_dir():
-        plugins = load_all(path, roots, variables)
+        plugins = load_all(path, roots, variables, project.policy)
     else:
         raise ConfigError(path, None, "no such plugin folder")
-    console.print(f"ok: {len(plugins)} plugin(s) valid: {', '.join(p.id for p in plugins)}", highlight=False)
+    console.print(f"ok: {len(plugins)} plugin(s) valid: {', '.join(p.id for p in plugins)}", highlight=False,
+                  soft_wrap=True)
 
 
 @app.command()
@@ -325,10 +337,6 @@ def report(config: Optional[Path] = ConfigOpt,
     store.close()
     out = out or project.state_dir / "reports" / f"run-{run_row['id']}"
     console.print(f"wrote {write_report(project.db_path, run_row['id'], out)}", highlight=False)
-
-
-def main() -> None:
-    app()
 
 
 if __name__ == "__main__":

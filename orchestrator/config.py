@@ -32,6 +32,9 @@ class Policy(BaseModel):
     def _pairs(self) -> "Policy":
         if self.min_pairs > self.max_pairs:
             raise ValueError(f"min_pairs ({self.min_pairs}) exceeds max_pairs ({self.max_pairs})")
+        if self.guardrails:  # the judge's module (and scipy) is imported only when there is something to parse
+            from orchestrator.decide import parse_guardrails
+            parse_guardrails(self.guardrails)
         return self
 
     def merged(self, overrides: "Accept | None") -> "Policy":

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from orchestrator.config import Accept
 from orchestrator.loading import ConfigError, dotted, line_of, read_yaml, validate
@@ -264,6 +264,9 @@ def _check_action(action: _Action, roots: dict[str, Path], source: Path, loc: tu
     root = roots[action.root] if action.root else next(iter(roots.values()))
     for fld, rel in _paths(action):
         confine(root, rel, source, dotted(loc + tuple(fld.split("."))))
+    if action.kind == "python" and not (folder / "hooks.py").is_file():
+        raise ConfigError(source, dotted(loc + ("python", "function")), f"needs {folder / 'hooks.py'}, which does not exist",
+                          line_of(tree, loc))
     if action.kind == "deploy":
         src = confine(folder, action.body.src, source, dotted(loc + ("deploy", "src")))
         if not src.is_file():
@@ -276,9 +279,16 @@ def discover(plugins_dir: Path) -> list[Path]:
     return sorted(p for p in plugins_dir.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
 
 
-def load_all(plugins_dir: Path, roots: dict[str, Path], target_vars: dict[str, str]) -> list[Plugin]:
-    """Every plugin of the folder, validated and in staging order."""
+def load_all(plugins_dir: Path, roots: dict[str, Path], target_vars: dict[str, str],
+             policy: Any = None) -> list[Plugin]:
+    """Every plugin of the folder, validated (`accept:` merged into `policy`, when given) and in staging order."""
     plugins = [load_plugin(folder, roots, target_vars) for folder in discover(plugins_dir)]
+    for p in plugins:
+        if policy is not None and p.manifest.accept is not None:
+            try:
+                policy.merged(p.manifest.accept)
+            except ValidationError as e:
+                raise ConfigError(p.source, "accept", e.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")) from None
     seen: dict[str, Plugin] = {}
     for p in plugins:
         if p.id in seen:

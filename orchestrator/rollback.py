@@ -76,7 +76,7 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
         else:
             store.event(run_id, "warning", f"{row['plugin']}: plugin folder gone; only files restored", step_id)
         with store.db.atomic():
-            store.undeploy_in_tx(row["plugin"])
+            store.undeploy(row["plugin"])
             store.finish_step(step_id, "rolled_back", "requested", f"undid step {kept_step} "
                                                                    f"(run {store.step(kept_step)['run_id']})")
     store.finish_run(run_id, "finished")

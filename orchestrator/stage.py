@@ -5,7 +5,6 @@ import os
 import re
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 from orchestrator import decide
@@ -14,7 +13,7 @@ from orchestrator.journal import Journal
 from orchestrator.plugin import Plugin, Variant
 from orchestrator.probes.runner import ProbeResult, judge_output, run_process
 from orchestrator.recovery import recover
-from orchestrator.steps import StepContext, StepFailed, apply_step, check, undo_step
+from orchestrator.steps import StepContext, StepFailed, apply_all, check, undo_step
 from orchestrator.store import Store, dumps, loads
 
 
@@ -58,6 +57,13 @@ def medians(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
     keys = set.intersection(*(set(s) for s in samples)) if samples else set()
     return {k: statistics.median(s[k] for s in samples) for k in sorted(keys)
             if all(isinstance(s[k], (int, float)) and not isinstance(s[k], bool) for s in samples)}
+
+
+def failure(out: ProbeResult) -> str:
+    """The probe's verdict and the last lines it wrote, for the step's detail."""
+    proc = out.process
+    lines = [ln.strip() for ln in ((proc.stderr_tail or proc.stdout_tail) if proc else "").splitlines() if ln.strip()]
+    return out.message + (f" (output: {' | '.join(lines[-2:])[-300:]})" if lines else "")
 
 
 def fingerprint() -> dict | None:
@@ -130,7 +136,7 @@ class Stager:
         for spec in self.throughput:
             out = self.probe(spec, step_id, arm, repeat, plugin)
             if not out.ok:
-                raise ArmFailed(out.reason or "probe_failed", f"{arm} arm, probe {spec.name}: {out.message}")
+                raise ArmFailed(out.reason or "probe_failed", f"{arm} arm, probe {spec.name}: {failure(out)}")
             metrics.update({k: v for k, v in out.metrics.items() if k not in metrics})
             if value is None:
                 value = out.value
@@ -192,7 +198,7 @@ class Stager:
             changed = self.journal.drifted(earlier["step_id"])
             if not changed:
                 return self.already_applied(plugin, earlier)
-            self.store.undeploy(plugin.id)
+            # staged again; the earlier record stays until a new keep replaces it, so rollback can still undo it
             self.kept.discard(plugin.id)
             self.store.event(self.run_id, "stale", f"{plugin.id}: kept earlier but {', '.join(changed)} changed since")
         ctx = self.context(plugin, None)
@@ -231,9 +237,7 @@ class Stager:
         ctx = self.context(plugin, step_id)
         self.reporter.phase(name, "apply")
         try:
-            for step in variant.apply:
-                if step.runs_on(self.kind):
-                    apply_step(step, ctx)
+            apply_all([s for s in variant.apply if s.runs_on(self.kind)], ctx)
         except StepFailed as e:
             return self.roll_back(plugin, variant, step_id, "apply_failed", str(e), ctx)
         self.journal.seal(step_id)
@@ -248,7 +252,7 @@ class Stager:
         for spec in self.correctness:
             out = self.probe(spec, step_id, "candidate", 0, name)
             if not out.ok:
-                return self.roll_back(plugin, variant, step_id, out.reason, f"probe {spec.name}: {out.message}", ctx)
+                return self.roll_back(plugin, variant, step_id, out.reason, f"probe {spec.name}: {failure(out)}", ctx)
         if not self.throughput:
             return self.accept(plugin, Verdict(step_id, None), defer, None)
         self.store.set_step(step_id, state="measuring")
@@ -315,7 +319,8 @@ class Stager:
     @staticmethod
     def _describe(d: decide.Decision) -> str:
         gain = "n/a" if d.gain is None else f"{d.gain:+.2%}"
-        return f"{d.verdict}: gain {gain} over {d.n_baseline}/{d.n_candidate} samples ({d.rule} rule)"
+        notes = f"; {'; '.join(d.notes)}" if d.notes else ""
+        return f"{d.verdict}: gain {gain} over {d.n_baseline}/{d.n_candidate} samples ({d.rule} rule){notes}"
 
     def keep(self, plugin: Plugin, verdict: Verdict, reason: str | None = None) -> None:
         step = self.store.step(verdict.step_id)

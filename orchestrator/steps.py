@@ -5,6 +5,7 @@ Declarative steps compute the new bytes from a reader, so `plan` can show a diff
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 from dataclasses import dataclass, field
@@ -14,11 +15,12 @@ from typing import Any, Callable
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from orchestrator.journal import Journal, TouchError, write_atomic
+from orchestrator.journal import Journal, TouchError, write_image
 from orchestrator.loading import ConfigError
 from orchestrator.plugin import Check, Step, UndoStep, confine
 from orchestrator.probes.runner import ProcessResult, run_process
 
+PROCESS_KINDS = ("command", "python")
 HOOK_RUNNER = Path(__file__).resolve().parent / "hook_runner.py"
 Reader = Callable[[Path], "bytes | None"]
 
@@ -150,7 +152,7 @@ def _describe(result: ProcessResult, timeout: float) -> str:
 
 def apply_step(step: Step, ctx: StepContext) -> None:
     """Run one apply step, recording pre-images in the journal before anything is touched."""
-    if step.kind in ("command", "python"):
+    if step.kind in PROCESS_KINDS:
         name, root = ctx.root_of(step)
         ctx.journal.track_tree(ctx.step_id, name, root)
         result = _process(ctx, step, "apply")
@@ -164,7 +166,25 @@ def apply_step(step: Step, ctx: StepContext) -> None:
     except TouchError as e:
         raise StepFailed(str(e)) from None
     full.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(full, data)
+    write_image(full, data)
+
+
+def declared_path(step: Step, ctx: StepContext) -> tuple[str, Path, str]:
+    rel = step.body.dest if step.kind == "deploy" else step.body.path
+    name, root, full = _path(ctx, step, rel)
+    return name, root, str(full.relative_to(root))
+
+
+def apply_all(steps: list[Step], ctx: StepContext) -> None:
+    """Apply in order; each run of declarative steps has its pre-images recorded in one transaction first."""
+    for i, step in enumerate(steps):
+        if step.kind not in PROCESS_KINDS and (i == 0 or steps[i - 1].kind in PROCESS_KINDS):
+            batch = itertools.takewhile(lambda s: s.kind not in PROCESS_KINDS, steps[i:])
+            try:
+                ctx.journal.track_many(ctx.step_id, [declared_path(s, ctx) for s in batch])
+            except TouchError as e:
+                raise StepFailed(str(e)) from None
+        apply_step(step, ctx)
 
 
 def undo_step(step: UndoStep, ctx: StepContext) -> None:

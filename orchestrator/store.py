@@ -47,7 +47,6 @@ CREATE TABLE IF NOT EXISTS events (
   id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, at REAL, kind TEXT, message TEXT);
 """
 
-FINAL_STATES = ("done",)
 
 
 def dumps(value: Any) -> str | None:
@@ -153,10 +152,7 @@ class Store:
                                         params=dumps(params or None)), pk="plugin")
 
     def undeploy(self, plugin: str) -> None:
-        with self.db.atomic():
-            self.undeploy_in_tx(plugin)
-
-    def undeploy_in_tx(self, plugin: str) -> None:
+        """Call inside `db.atomic()`, together with the step that records the undo."""
         self.db.execute("DELETE FROM deployed WHERE plugin = ?", [plugin])
 
     # measurements, decisions, events, processes

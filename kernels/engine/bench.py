@@ -32,10 +32,10 @@ WEIGHTS = {"output_tok_s": 16.796, "input_tok_s": 2.799, "cached_tok_s": 0.56}
 
 @dataclass
 class Workload:
-    num_prompts: int = 64
-    input_len: int = 256
-    output_len: int = 32
-    prefix_len: int = 128  # tokens each prompt shares with the others of its group
+    num_prompts: int = 128
+    input_len: int = 512
+    output_len: int = 128
+    prefix_len: int = 256  # tokens each prompt shares with the others of its group
     num_prefixes: int = 4
     seed: int = 0
 

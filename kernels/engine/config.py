@@ -116,9 +116,11 @@ class EngineConfig(BaseModel):
     def torch_device(self):
         import torch
 
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device("cuda" if self.device == "auto" and torch.cuda.is_available()
+                              else "cpu" if self.device == "auto" else self.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def torch_dtype(self):
         import torch

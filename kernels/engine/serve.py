@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import queue
 import sys
 import threading
@@ -425,7 +426,8 @@ def build_app(engine: Any, tokenizer: Any, limits: Limits) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.engine.serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.engine.serve",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="serve config (YAML) of the engine")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -433,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shutdown-timeout", type=int, default=30,
                         help="seconds SIGTERM waits for running requests before cancelling them")
     args = parser.parse_args(argv)
+    # the engine logs its kernel choices and cache size at INFO: the first thing to read in a server log
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     try:
         config = load_config(args.config)
@@ -442,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     limits = Limits(args.served_model_name or config.model, config.max_model_len, config.vocab_size)
     disable_created_metrics()  # vLLM exposes no *_created series either
+    logging.getLogger("kernels.engine").info("serving %s on http://%s:%d", limits.model_name,
+                                             args.host, args.port)
     uvicorn.run(build_app(engine, tokenizer, limits), host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

@@ -78,6 +78,8 @@ class ServerProcess:
             os.unlink(self.log.name)
             raise ProbeError(f"cannot start server command {shlex.join(argv)}: {exc}") from None
         self.pgid = self.proc.pid
+        print(f"serving probe: started {shlex.join(argv)} as pid {self.pgid} (its own process group)",
+              file=sys.stderr, flush=True)
 
     def tail(self, limit: int = 2000) -> str:
         text = Path(self.log.name).read_text(errors="replace")
@@ -88,6 +90,8 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM to the group, SIGKILL after ``stop_timeout``, then wait until no member is left."""
+        if self.log.closed:
+            return
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
         try:
             self._stop()
@@ -147,6 +151,8 @@ async def wait_healthy(base_url: str, timeout: float, server: ServerProcess | No
 
 @dataclass
 class Workload:
+    """A seeded synthetic load, the same on every server so that runs compare."""
+
     num_prompts: int = 32
     input_len: int = 64
     output_len: int = 16
@@ -187,6 +193,8 @@ class Workload:
 
 @dataclass
 class Outcome:
+    """One request as the client saw it."""
+
     success: bool = False
     error: str = ""
     prompt_len: int = 0
@@ -218,6 +226,9 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                     done = True
                     break
                 msg = json.loads(data)
+                if not isinstance(msg, dict):
+                    out.error = f"stream event is not a JSON object: {data[:100]}"
+                    return out
                 if "error" in msg:
                     out.error = f"server error in stream: {msg['error']}"
                     return out
@@ -233,7 +244,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                     out.prompt_len = usage.get("prompt_tokens", out.prompt_len)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, httpx.StreamError, json.JSONDecodeError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
     out.latency = time.perf_counter() - start
@@ -247,7 +258,8 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     return out
 
 
-async def drive(base_url: str, model: str, workload: Workload, request_timeout: float) -> tuple[list[Outcome], float]:
+async def drive(base_url: str, model: str, workload: Workload,
+                request_timeout: float) -> tuple[list[Outcome], float]:
     """Sends the whole workload and returns each request's outcome and the wall time."""
     url = f"{base_url}/v1/completions"
     requests, delays = workload.requests(), workload.delays()
@@ -472,6 +484,12 @@ def run(args: argparse.Namespace) -> dict:
         if "server_exit_code" in result:
             result["server_output"] = server.tail()
         return result
+    except ProbeError as exc:
+        code = server.exited()
+        if code is None or "exited with code" in str(exc):
+            raise
+        raise ProbeError(f"{exc}; the server exited with code {code}; its last output:\n"
+                         f"{server.tail()}") from None
     finally:
         server.stop()
 

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
+from orchestrator.loading import ConfigError
 from orchestrator.targets.base import Target, TargetConfig
 
 
@@ -24,10 +25,13 @@ class FilesTarget(Target):
 
     def prepare(self) -> None:
         root = self.roots["target"]
-        if root.exists() or not self.config.copy_from:
-            root.mkdir(parents=True, exist_ok=True)
+        if root.is_dir():
             return
+        if not self.config.copy_from:
+            raise ConfigError(None, "target.root", f"{root} is not a folder (set target.copy_from to create it)")
         src = self.resolve(self.config.copy_from)
+        if not src.is_dir():
+            raise ConfigError(None, "target.copy_from", f"{src} is not a folder")
         tmp = root.with_name(root.name + ".orch-tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("__pycache__"))

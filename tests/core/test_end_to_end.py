@@ -1,13 +1,12 @@
 """A whole run of the real CLI over the test plugins: every outcome and reason, history, re-run, rollback."""
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
 import pytest
 
-from conftest import FIXTURES, make_project, tree
+from core_project import make_project, tree
 
 EXPECTED = {
     "speedup": ("kept", None),
@@ -131,4 +130,18 @@ def test_rollback_by_id(tmp_path):
     again = project.cli("rollback", "hook-step", check=1)
     assert "not kept" in again.stderr
     project.cli("rollback", "speedup", check=0)
+    assert tree(project.target) == original
+
+
+def test_unmeasurable_baseline_fails_the_run_and_changes_nothing(tmp_path):
+    import yaml
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    assert "no runs recorded" in project.cli("status", check=1).stderr
+    config = yaml.safe_load(project.config.read_text())
+    config["probes"][1]["objective"] = "tokens_per_s"  # the probe reports `score`
+    project.config.write_text(yaml.safe_dump(config))
+    original = tree(project.target)
+    proc = project.cli("run", check=1)
+    assert "cannot measure the baseline" in proc.stderr and "no finite number at 'tokens_per_s'" in proc.stderr
+    assert project.status()["run"]["status"] == "failed"
     assert tree(project.target) == original

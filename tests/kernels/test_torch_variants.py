@@ -61,3 +61,11 @@ def test_shape_errors_name_the_argument():
         kernels.get("moe", "sorted")(**{**moe, "w2": moe["w2"][:, :, :4]})
     with pytest.raises(ValueError, match="top_k"):
         kernels.get("moe", "gather")(**{**moe, "top_k": 5})
+
+
+def test_sort_by_expert_is_stable_and_counts_every_expert():
+    from kernels.routing import sort_by_expert
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3]])
+    order, counts = sort_by_expert(ids, num_experts=5)
+    assert counts.tolist() == [2, 1, 0, 3, 0]
+    assert order.tolist() == [1, 4, 3, 0, 2, 5]

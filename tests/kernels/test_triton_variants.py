@@ -70,3 +70,16 @@ def test_align_block_size_groups_pairs_by_expert():
             assert live and all(flat[p] == e for p in live)
     assert sorted(p for p in pairs.tolist() if p < flat.numel()) == list(range(flat.numel()))
     assert block_expert.tolist()[:5] == [0, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("op", ["paged_decode", "prefix_prefill"])
+def test_tiles_smaller_than_a_cache_block(op):
+    """block_n 16 inside blocks of 32 slots: the other branch of ``paged_tile``."""
+    shape = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=32, dtype=torch.float32)
+    if op == "paged_decode":
+        args = inputs.paged_decode([45, 70], **shape)
+        fn = functools.partial(kernels.get(op, "v2_triton"), block_n=16)
+    else:
+        args = inputs.prefix_prefill([(45, 20), (33, 16)], **shape)
+        fn = functools.partial(kernels.get(op, "triton"), block_m=16, block_n=16)
+    assert _error(op, fn, args) < check.TOLERANCE[torch.float32]

@@ -1,13 +1,15 @@
 """The serving probe end to end against the engine server, and its scoring of imported results."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
+import httpx
 import pytest
 
-from conftest import PY, REPO, alive_with, run_probe, write_config
-from orchestrator.probes.serving import Workload, failure, with_score
+from serving_support import PY, REPO, alive_with, run_probe, write_config
+from orchestrator.probes.serving import Workload, failure, prefix_cache_hits, with_score
 
 WORKLOAD = ["--num-prompts", "8", "--input-len", "40", "--output-len", "6",
             "--shared-prefix-fraction", "0.5", "--max-concurrency", "4", "--seed", "3"]
@@ -38,6 +40,25 @@ def test_probe_serves_the_target_config_and_scores_it(tmp_path):
                                          + 0.56 * out["cached_throughput"])
     assert out["mean_ttft_ms"] > 0 and out["mean_itl_ms"] > 0
     assert alive_with(str(root)) == []
+
+
+def test_probe_against_a_running_server_leaves_it_running(server):
+    rc, out, err = run_probe("--base-url", server, "--num-prompts", "4", "--input-len", "20",
+                             "--output-len", "3", "--seed", "8")
+    assert rc == 0, (out, err)
+    assert out["base_url"] == server and out["completed"] == 4 and out["model_id"] == "tiny"
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_cached_tokens_can_come_from_the_metrics(server):
+    """`vllm serve` reports cached tokens in usage only on request; the probe then reads
+    vllm:prefix_cache_hits_total before and after the run."""
+    before = asyncio.run(prefix_cache_hits(server))
+    prompt = list(range(100, 140))
+    for _ in range(2):
+        httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert asyncio.run(prefix_cache_hits(server)) - before == 32
+    assert asyncio.run(prefix_cache_hits("http://127.0.0.1:9")) is None  # nothing listens there
 
 
 def test_server_dying_mid_run_fails_the_probe_and_leaves_nothing(tmp_path):

@@ -6,11 +6,14 @@ import signal
 import subprocess
 import time
 
-from conftest import PY, REPO, alive_with, env, last_json, run_probe, wait_for
+import httpx
+import psutil
+
+from serving_support import PY, REPO, alive_with, env, last_json, run_probe, wait_for, write_config
 
 
-def _start_probe(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "orchestrator.probes.serving", *args], cwd=REPO, env=env(),
+def _start_probe(args: list[str], **extra_env: str) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "orchestrator.probes.serving", *args], cwd=REPO, env=env(**extra_env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -53,21 +56,31 @@ def test_no_target_and_no_server_is_a_clear_error():
     assert "ORCHESTRATOR_TARGET_ROOT" in out["error"]
 
 
-def test_sigterm_to_the_probe_stops_the_server(tmp_path, marker):
-    folder = tmp_path / marker
-    folder.mkdir()
-    cmd = f"{PY} -m http.server {{port}} --bind 127.0.0.1 --directory {folder}"
-    probe = _start_probe(["--server-cmd", cmd, "--health-timeout", "120"])
+def test_sigterm_to_the_probe_mid_run_stops_the_engine_server(tmp_path):
+    root = tmp_path / "workspace"
+    write_config(root)
+    probe = _start_probe(["--num-prompts", "2000", "--output-len", "64", "--health-timeout", "120"],
+                         ORCHESTRATOR_TARGET_ROOT=str(root))
     try:
-        wait_for(lambda: alive_with(marker), 30, "the server to start")
-        time.sleep(0.3)  # let the probe reach its health loop
+        server = wait_for(lambda: alive_with(str(root)), 30, "the server to start")[0]
+        port = wait_for(lambda: [c.laddr.port for c in server.net_connections("tcp")
+                                 if c.status == psutil.CONN_LISTEN], 120, "the server to listen")[0]
+        wait_for(lambda: 'num_requests_running{model_name="tiny"} 0.0' not in _metrics(port), 60,
+                 "the benchmark to be running")
         probe.send_signal(signal.SIGTERM)
-        stdout, _ = probe.communicate(timeout=30)
+        stdout, _ = probe.communicate(timeout=60)
     finally:
         probe.kill()
     assert probe.returncode == 143
     assert "terminated by SIGTERM" in last_json(stdout)["error"]
-    assert alive_with(marker) == []
+    assert alive_with(str(root)) == []
+
+
+def _metrics(port: int) -> str:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    except httpx.TransportError:
+        return 'num_requests_running{model_name="tiny"} 0.0'
 
 
 def test_sigkill_to_the_probe_still_ends_the_server(tmp_path, marker):

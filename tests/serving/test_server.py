@@ -7,13 +7,12 @@ import json
 import random
 import signal
 import subprocess
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import PY, env, start_server, write_config
+from serving_support import PY, env, start_server, write_config
 from kernels.engine import tokenizer
 
 

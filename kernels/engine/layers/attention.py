@@ -33,14 +33,14 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kc, vc = self.key_cache, self.value_cache
         write_kv(k, v, kc, vc, meta.slot_blocks, meta.slot_offsets)
-        out = torch.empty_like(q)
+        parts = []
         for group, kernel in ((meta.decode, self.kernels.decode), (meta.decode_long, self.kernels.decode_long)):
             if group is not None:
-                out[group.start:group.end] = kernel(q[group.start:group.end], kc, vc, group.block_tables,
-                                                    group.seq_lens, self.scale)
+                parts.append(kernel(q[group.start:group.end], kc, vc, group.block_tables, group.seq_lens,
+                                    self.scale))
         p = meta.prefill
         if p is not None:
-            out[p.start:] = self.kernels.prefill(q[p.start:], k[p.start:], v[p.start:], kc, vc, p.block_tables,
-                                                 p.query_start_loc, p.context_lens, self.scale,
-                                                 **self.kernels.prefill_kwargs)
-        return out
+            parts.append(self.kernels.prefill(q[p.start:], k[p.start:], v[p.start:], kc, vc, p.block_tables,
+                                              p.query_start_loc, p.context_lens, self.scale,
+                                              **self.kernels.prefill_kwargs))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,5 +1,6 @@
 """Rotary position embedding, NeoX style, on the first ``rotary_dim`` channels of each head
-(Qwen3-Next rotates a quarter of its 256 channels)."""
+(Qwen3-Next rotates a quarter of its 256 channels). The angles are computed once per step and
+shared by every layer."""
 from __future__ import annotations
 
 import torch
@@ -13,14 +14,15 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, *heads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each of ``heads`` ([tokens, num_heads, head_size]) by its token's position."""
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) as [tokens, 1, rotary_dim / 2] float32."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        return tuple(self._rotate(x, cos, sin) for x in heads)
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :self.rotary_dim].float(), x[..., self.rotary_dim:]
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        return torch.cat((rotated, rest), dim=-1)
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ([tokens, heads, head_size]) by its tokens' angles."""
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

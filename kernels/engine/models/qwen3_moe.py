@@ -15,7 +15,7 @@ from kernels.engine.kernel_choice import Kernels
 from kernels.engine.layers.attention import PagedAttention
 from kernels.engine.layers.layernorm import RMSNorm
 from kernels.engine.layers.moe import SparseMoeBlock
-from kernels.engine.layers.rotary_embedding import RotaryEmbedding
+from kernels.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from kernels.engine.model_config import ModelConfig
 
 
@@ -30,10 +30,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(h, cfg.num_heads * d))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, d, kernels)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         t, d = x.shape[0], self.head_size
         q, k, v = F.linear(x, self.qkv_proj).split(
             [self.q_width, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
@@ -43,8 +43,8 @@ class Attention(nn.Module):
             q = q.view(t, self.num_heads, d)
         q = self.q_norm(q)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, d))
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q.contiguous(), k, v.reshape(t, self.num_kv_heads, d), meta)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = self.attn(q, k, v.reshape(t, self.num_kv_heads, d), meta)
         if self.gated:
             o = o * torch.sigmoid(gate)
         return F.linear(o.reshape(t, -1), self.o_proj)
@@ -59,8 +59,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size,
                                   cfg.shared_expert_intermediate_size, cfg.norm_topk_prob, kernels)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_norm(x), meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_norm(x), meta)
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -71,13 +72,15 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states of every token."""
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary.angles(positions)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -80,8 +79,3 @@ def make_project(path: Path, plugins: list[str] = MAIN_PLUGINS, extra: list[str]
     }
     (path / "orchestrator.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return Project(path)
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Project:
-    return make_project(tmp_path / "proj")

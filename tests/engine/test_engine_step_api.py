@@ -5,7 +5,7 @@ import types
 import pytest
 
 import kernels
-from conftest import tiny
+from engine_helpers import tiny
 from kernels.engine import LLM
 from kernels.engine.config import ConfigError
 from kernels.engine.llm_engine import LLMEngine, StepOutput

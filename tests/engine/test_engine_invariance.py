@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kernels
-from conftest import tiny
-from dense_reference import forward
+from engine_helpers import tiny
+from engine_dense_reference import forward
 from kernels.engine import LLM
 
 MAX_TOKENS = 20

@@ -1,0 +1,183 @@
+"""The staging loop in-process: byte-exact rollbacks, interleaved A/B measurement, verdicts, params."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import yaml
+
+from core_project import MAIN_PLUGINS, make_project, tree
+from orchestrator import decide
+from orchestrator.config import load
+from orchestrator.journal import Journal
+from orchestrator.plugin import load_all
+from orchestrator.stage import Reporter, Stager
+from orchestrator.store import Store
+
+
+def stage(project, reporter=None):
+    proj = load(project.config)
+    plugins = load_all(proj.plugins_dir, proj.target.roots, proj.target.vars)
+    store = Store(proj.db_path)
+    run_id = Stager(proj, plugins, store, Journal(store, proj.state_dir / "blobs"), reporter).run()
+    return store, run_id
+
+
+def outcomes(store, run_id):
+    return [(s["plugin"], s["outcome"], s["reason"]) for s in store.steps(run_id)]
+
+
+class TreeWatcher(Reporter):
+    """Snapshots the target when a plugin starts applying and when it is rolled back."""
+
+    def __init__(self, root):
+        self.root, self.before, self.pairs = root, {}, []
+
+    def phase(self, plugin, phase):
+        if phase == "apply":
+            self.before[plugin] = tree(self.root)
+
+    def outcome(self, plugin, outcome, reason, gain):
+        if outcome == "rolled_back":
+            self.pairs.append((plugin, self.before[plugin], tree(self.root)))
+
+
+def test_every_rollback_leaves_the_target_byte_for_byte(tmp_path):
+    project = make_project(tmp_path / "p", plugins=[p for p in MAIN_PLUGINS if p != "hangs"])
+    watcher = TreeWatcher(project.target)
+    store, run_id = stage(project, watcher)
+    rolled = {p for p, _, _ in watcher.pairs}
+    assert rolled == {"half-way", "bad-verify", "breaks-answers", "segfaults", "no-gain", "slower"}
+    for plugin, before, after in watcher.pairs:
+        assert after == before, plugin
+
+
+def set_policy(project, **policy):
+    config = yaml.safe_load(project.config.read_text())
+    config["policy"] = policy
+    project.config.write_text(yaml.safe_dump(config))
+
+
+class ScriptedJudge:
+    """Decides after a fixed number of pairs, recording what it was shown."""
+
+    seen: list = []
+    pairs = 3
+    verdict = "keep"
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def decide(self, baseline, candidate, final):
+        ScriptedJudge.seen.append((list(baseline), list(candidate), final))
+        if len(baseline) < ScriptedJudge.pairs and not final:
+            return None
+        return decide.Decision(ScriptedJudge.verdict, 0.5, ci_low=0.4, ci_high=0.6, n_baseline=len(baseline),
+                               n_candidate=len(candidate), baseline_median=100.0, candidate_median=150.0, rule="stat")
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    ScriptedJudge.seen, ScriptedJudge.pairs, ScriptedJudge.verdict = [], 3, "keep"
+    monkeypatch.setattr(decide, "Judge", ScriptedJudge)
+    return ScriptedJudge
+
+
+def test_interleaved_pairs_alternate_images_until_the_judge_decides(tmp_path, scripted):
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    set_policy(project, interleave=True, min_pairs=2, max_pairs=5)
+    store, run_id = stage(project)
+    assert outcomes(store, run_id) == [("speedup", "kept", None)]
+    # 3 initial baseline samples (repeats default), then A B A B A B with the files switched each time
+    log = (project.path / "probe-log.txt").read_text().split("\n")
+    assert log[:-1] == ["baseline 1"] * 3 + ["speedup 1", "speedup 2"] * 3
+    assert [len(b) for b, _, _ in scripted.seen] == [1, 2, 3]
+    assert scripted.seen[-1][:2] == ([100.0] * 3, [200.0] * 3)
+    assert [final for _, _, final in scripted.seen] == [False, False, False]
+    row = store.query("SELECT * FROM decisions")[0]
+    assert json.loads(row["decision"])["ci_low"] == 0.4 and row["n_candidate"] == 3
+    assert (project.target / "app.txt").read_text().startswith("SPEED = 2")
+
+
+def test_interleaved_stops_at_max_pairs_with_final(tmp_path, scripted):
+    scripted.pairs = 99
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    set_policy(project, interleave=True, min_pairs=1, max_pairs=2, repeats=1)
+    stage(project)
+    assert [final for _, _, final in scripted.seen] == [False, True]
+
+
+@pytest.mark.parametrize("on_inconclusive, expected", [("rollback", ("rolled_back", "inconclusive")),
+                                                        ("keep", ("kept", "inconclusive"))])
+def test_inconclusive_follows_policy(tmp_path, scripted, on_inconclusive, expected):
+    scripted.verdict, scripted.pairs = "inconclusive", 1
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    original = tree(project.target)
+    set_policy(project, interleave=True, min_pairs=1, max_pairs=1, repeats=1, on_inconclusive=on_inconclusive)
+    store, run_id = stage(project)
+    assert outcomes(store, run_id) == [("speedup", *expected)]
+    assert (tree(project.target) == original) == (expected[0] == "rolled_back")
+
+
+def test_guardrail_veto_rolls_back_and_is_stored(tmp_path, monkeypatch):
+    calls = []
+
+    def guard(guardrails, base, cand):
+        calls.append((guardrails, base, cand))
+        return ["p99_ms 10 > 5"]
+    monkeypatch.setattr(decide, "check_guardrails", guard)
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    set_policy(project, interleave=False, rule="first", repeats=2, guardrails={"p99_ms": "<= 5"})
+    original = tree(project.target)
+    store, run_id = stage(project)
+    assert outcomes(store, run_id) == [("speedup", "rolled_back", "guardrail")]
+    assert tree(project.target) == original
+    guardrails, base, cand = calls[0]
+    assert guardrails == {"p99_ms": "<= 5"} and cand[0] == {"score": 200.0, "p99_ms": 10.0}
+    assert json.loads(store.query("SELECT vetoes FROM decisions")[0]["vetoes"]) == ["p99_ms 10 > 5"]
+
+
+def test_accept_overrides_policy_per_plugin(tmp_path):
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    manifest = project.path / "plugins" / "speedup" / "plugin.yaml"
+    manifest.write_text(manifest.read_text() + "accept: {min_gain: 1.5}\n")
+    store, run_id = stage(project)
+    assert outcomes(store, run_id) == [("speedup", "rolled_back", "no_gain")]
+    assert json.loads(store.query("SELECT policy FROM decisions")[0]["policy"])["min_gain"] == 1.5
+
+
+def test_params_stage_every_combination_and_keep_the_best(tmp_path):
+    project = make_project(tmp_path / "p", plugins=[], extra=["tune-speed"])
+    store, run_id = stage(project)
+    steps = store.steps(run_id)
+    assert [(json.loads(s["params"]), s["outcome"], s["reason"]) for s in steps] == [
+        ({"speed": 2}, "rolled_back", "outperformed"),
+        ({"speed": 5}, "kept", None),
+        ({"speed": 3}, "rolled_back", "outperformed"),
+    ]
+    assert [s["gain"] for s in steps] == pytest.approx([1.0, 4.0, 2.0])
+    assert (project.target / "app.txt").read_text().startswith("SPEED = 5\n")
+    assert json.loads(store.deployed()["tune-speed"]["params"]) == {"speed": 5}
+
+
+def test_fingerprint_is_stored_with_each_measurement_when_available(tmp_path, monkeypatch):
+    module = types.ModuleType("orchestrator.fingerprint")
+    module.fingerprint = lambda: {"gpu": "test-gpu", "clock_mhz": 1980}
+    monkeypatch.setitem(sys.modules, "orchestrator.fingerprint", module)
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    store, _ = stage(project)
+    rows = store.query("SELECT fingerprint FROM measurements WHERE role = 'throughput'")
+    assert rows and all(json.loads(r["fingerprint"]) == {"gpu": "test-gpu", "clock_mhz": 1980} for r in rows)
+
+
+def test_interleaved_with_the_project_judge_keeps_a_clear_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEST_NOISE", "0.01")
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    set_policy(project, interleave=True, repeats=3, min_pairs=3, max_pairs=8)
+    store, run_id = stage(project)
+    assert outcomes(store, run_id) == [("speedup", "kept", None)]
+    counts = {r["arm"]: r["n"] for r in store.query(
+        "SELECT arm, COUNT(*) AS n FROM measurements WHERE role = 'throughput' AND step_id IS NOT NULL GROUP BY arm")}
+    assert counts["baseline"] == counts["candidate"] >= 3

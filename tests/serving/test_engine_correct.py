@@ -1,0 +1,155 @@
+"""The engine correctness probe: records the reference once, then catches a wrong kernel in
+float32 (exact) and in bfloat16 (agreement threshold)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+import kernels
+from serving_support import PY, REPO, env, last_json, write_config
+from kernels.engine.config import load_config
+from orchestrator.probes import engine_correct
+
+CONFIG = """\
+model: tiny
+device: cpu
+dtype: {dtype}
+kv-cache-memory: 16777216
+max-model-len: 256
+"""
+
+
+@pytest.fixture
+def wrong_kernels(monkeypatch):
+    """Registers the wrong decode variants for this test only."""
+    monkeypatch.setitem(kernels._REGISTRY, "paged_decode", {
+        **kernels._REGISTRY["paged_decode"],
+        "off_by_constant": "wrong_kernels:off_by_constant_when_long",
+        "crash": "wrong_kernels:crash_when_long",
+    })
+
+
+def probe(capsys, *argv: str) -> tuple[int, dict]:
+    rc = engine_correct.main(list(argv))
+    return rc, last_json(capsys.readouterr().out)
+
+
+def config(tmp_path, name: str, dtype: str = "float32", extra: str = "") -> str:
+    return str(write_config(tmp_path / name, CONFIG.format(dtype=dtype) + extra))
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(tmp_path_factory):
+    """A reference recorded by the probe as a process, as the orchestrator runs it."""
+    folder = tmp_path_factory.mktemp("fp32")
+    root = write_config(folder / "workspace", CONFIG.format(dtype="float32")).parent
+    ref = folder / "state" / "engine-reference.json"
+    proc = subprocess.run([PY, "-m", "orchestrator.probes.engine_correct", "--reference", str(ref)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=env(ORCHESTRATOR_TARGET_ROOT=str(root)))
+    return proc, ref, root
+
+
+def test_first_run_records_and_passes(fp32_reference):
+    proc, ref, _ = fp32_reference
+    out = last_json(proc.stdout)
+    assert proc.returncode == 0, proc.stderr
+    assert out["passed"] is True and out["recorded"] is True and out["mode"] == "exact"
+    assert set(out["passes"]) == {"as_configured", "long_decode"}
+    assert all(p["exact"] and p["identical_token_fraction"] == 1.0 for p in out["passes"].values())
+    checked = {(c["op"], c["variant"]) for c in out["kernel_checks"]}
+    assert checked == {("paged_decode", "v1"), ("paged_decode", "v2"),
+                       ("prefix_prefill", "pregather"), ("moe", "sorted")}
+    assert all(c["passed"] for c in out["kernel_checks"])
+    stored = json.loads(ref.read_text())
+    assert stored["dtype"] == "float32" and stored["model"] == "tiny"
+    assert len(stored["outputs"]) == len(stored["prompts"]) == 14
+    assert all(len(o) == stored["max_tokens"] for o in stored["outputs"])
+
+
+def test_later_run_compares_without_touching_the_reference(fp32_reference, capsys):
+    _, ref, root = fp32_reference
+    before = ref.read_bytes()
+    rc, out = probe(capsys, "--reference", str(ref), "--config", str(root / "serve.yaml"),
+                    "--kernel-checks", "none")
+    assert rc == 0 and out["passed"] and out["recorded"] is False
+    assert ref.read_bytes() == before
+
+
+def test_wrong_long_decode_kernel_fails_in_float32(fp32_reference, tmp_path, capsys, wrong_kernels):
+    _, ref, _ = fp32_reference
+    cand = config(tmp_path, "cand", extra="attention-decode-long: off_by_constant\n")
+    rc, out = probe(capsys, "--reference", str(ref), "--config", cand, "--kernel-checks", "none")
+    assert rc == 1 and out["passed"] is False
+    assert out["kernels"]["attention-decode-long"] == "off_by_constant"  # it passed the self-check
+    assert out["passes"]["as_configured"]["passed"]  # the default threshold never routes to it
+    long_pass = out["passes"]["long_decode"]
+    assert not long_pass["exact"]
+    assert long_pass["first_divergence"][-6:] == [1] * 6  # every long prompt, at its first decode
+    assert "long_decode: outputs differ from the reference" in out["error"]
+
+
+def test_crashing_kernel_fails_with_the_engine_error(fp32_reference, tmp_path, capsys, wrong_kernels):
+    _, ref, _ = fp32_reference
+    cand = config(tmp_path, "cand", extra="attention-decode-long: crash\ndecode-long-threshold: 100\n")
+    rc, out = probe(capsys, "--reference", str(ref), "--config", cand, "--kernel-checks", "none")
+    assert rc == 1 and out["passed"] is False
+    assert "as_configured: the engine failed: RuntimeError: illegal memory access" in out["error"]
+
+
+def test_bfloat16_threshold_passes_the_right_kernels_and_catches_the_wrong_one(tmp_path, capsys, wrong_kernels):
+    ref = tmp_path / "ref.json"
+    rc, good = probe(capsys, "--reference", str(ref), "--config", config(tmp_path, "base", "bfloat16"),
+                     "--kernel-checks", "none")
+    assert rc == 0 and good["mode"] == "agreement" and good["recorded"]
+    assert good["passes"]["long_decode"]["early_divergence_fraction"] <= 0.25
+    cand = config(tmp_path, "cand", "bfloat16", "attention-decode-long: off_by_constant\n")
+    rc, bad = probe(capsys, "--reference", str(ref), "--config", cand, "--kernel-checks", "none")
+    assert rc == 1 and bad["passed"] is False
+    assert bad["passes"]["long_decode"]["early_divergence_fraction"] >= 6 / 14
+    assert "of prompts diverge within 4 tokens (at most 25% allowed)" in bad["error"]
+
+
+def test_reference_of_another_model_is_refused_and_kept(fp32_reference, tmp_path, capsys):
+    _, ref, _ = fp32_reference
+    before = ref.read_bytes()
+    cand = config(tmp_path, "cand", extra="seed: 7\n")
+    rc, out = probe(capsys, "--reference", str(ref), "--config", cand)
+    assert rc == 1 and out == {"passed": False, "error": out["error"]}
+    assert out["error"].startswith(f"{ref}: recorded for seed 0, the candidate has 7")
+    assert ref.read_bytes() == before
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "cannot read the reference"),
+    (json.dumps({"format": 1, "prompts": [[1]], "outputs": [], "max_tokens": 2, "model": "tiny",
+                 "dtype": "float32", "device": "cpu"}), "field 'outputs' holds 0 completions for 1 prompts"),
+    (json.dumps({"format": 1, "prompts": [[1]], "outputs": [[2]], "max_tokens": 2, "model": "tiny"}),
+     "field 'dtype' is missing or not a str"),
+])
+def test_corrupt_reference_names_file_and_field_and_is_kept(tmp_path, capsys, content, message):
+    ref = tmp_path / "ref.json"
+    ref.write_text(content)
+    rc, out = probe(capsys, "--reference", str(ref), "--config", config(tmp_path, "c"))
+    assert rc == 1 and out["error"].startswith(f"{ref}: {message}")
+    assert ref.read_text() == content
+
+
+def test_bad_config_records_nothing(tmp_path, capsys):
+    ref = tmp_path / "state" / "ref.json"
+    bad = config(tmp_path, "c", extra="attention-decode: warp_speed\n")
+    rc, out = probe(capsys, "--reference", str(ref), "--config", bad)
+    assert rc == 1 and f"{bad}: attention-decode: unknown paged_decode variant 'warp_speed'" in out["error"]
+    assert not ref.exists() and not ref.parent.exists()
+
+
+def test_failing_kernel_check_fails_the_probe(tmp_path):
+    cfg = load_config(config(tmp_path, "c"))
+    results = engine_correct.kernel_checks({"moe-dispatch": "sorted", "attention-decode": "no_such"},
+                                           cfg, "small")
+    by_variant = {r["variant"]: r for r in results}
+    assert by_variant["sorted"]["passed"] is True and by_variant["sorted"]["worst_error"] < 1e-4
+    assert by_variant["no_such"]["passed"] is False
+    assert "unknown variant 'no_such'" in by_variant["no_such"]["error"]
