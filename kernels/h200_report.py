@@ -64,7 +64,6 @@ def ceilings() -> tuple[float, float]:
     dst = torch.empty_like(src)
     copy_ms = bench.median_ms(lambda: dst.copy_(src), "cuda")
     gbps = 2 * src.numel() * 4 / copy_ms / 1e6
-    del src, dst
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -98,7 +97,6 @@ def decode_tables(rep, copy_gbps, quick):
                 rep.rows.append(dict(table="decode", batch=b, context=c, variant=v, ms=ms, gbps=gbps))
                 row += [ms, f"{100 * gbps / copy_gbps:.0f}%" if gbps else "n/a"]
             rows.append(row)
-            del args
             torch.cuda.empty_cache()
     header = ["batch", "context"] + [h for v in variants + ["sdpa (contiguous)"] for h in (f"{v} ms", f"{v} %BW")]
     rep.table(f"Paged decode, bf16, 16 q heads / 2 kv heads, head 256, block 16 (% of {copy_gbps:.0f} GB/s copy)",
@@ -116,12 +114,10 @@ def decode_tuning(rep, copy_gbps):
                     ms = _time(lambda: fn(**args, block_n=block_n, num_warps=warps, num_stages=stages))
                     if ms:
                         rows.append([b, c, block_n, warps, stages, ms, f"{100 * nbytes / ms / 1e6 / copy_gbps:.0f}%"])
-        del args
     rep.table("v2_triton configurations", ["batch", "context", "block_n", "num_warps", "num_stages", "ms", "%BW"], rows)
 
 
 def sdpa_prefill(args):
-    n = args["query"].shape[0]
     q = args["query"].transpose(0, 1)[None]
     k, v = args["key"].transpose(0, 1)[None], args["value"].transpose(0, 1)[None]
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args["scale"], enable_gqa=True)
@@ -147,7 +143,6 @@ def prefill_tables(rep, mm_tflops, quick):
             tf = flops / ms / 1e9 if ms else None
             rep.rows.append(dict(table="prefill", context=ctx, new=new, variant=name, config=cfg, ms=ms, tflops=tf))
             rows.append([ctx, new, name, cfg, ms, tf, f"{100 * tf / mm_tflops:.0f}%" if tf else "n/a"])
-        del args
         torch.cuda.empty_cache()
     rep.table(f"Prefix prefill, bf16 causal, 16 q / 2 kv heads, head 256 (% of {mm_tflops:.0f} TFLOP/s matmul)",
               ["context", "new tokens", "variant", "block_m/block_n/warps", "ms", "TFLOP/s", "% matmul"], rows)
@@ -187,7 +182,6 @@ def moe_tables(rep, copy_gbps, mm_tflops, quick):
         row += [best, route_ms, f"{tri_ms / floor_ms:.2f}x" if tri_ms else "n/a",
                 nbytes / tri_ms / 1e6 if tri_ms else None, flops / tri_ms / 1e9 if tri_ms else None]
         rows.append(row)
-        del args
         torch.cuda.empty_cache()
     rep.table(f"MoE, bf16, 256 experts top-8, hidden 2048, intermediate 512 (floor: max of weight bytes at "
               f"{copy_gbps:.0f} GB/s, FLOPs at {mm_tflops:.0f} TFLOP/s)",

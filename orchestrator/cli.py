@@ -46,9 +46,9 @@ def command(fn: Callable) -> Callable:
     return wrapper
 
 
-def _project(config: Optional[Path]):
+def _project(config: Optional[Path], engine: Optional[dict] = None):
     from orchestrator.config import load
-    return load(config)
+    return load(config, engine=engine)
 
 
 def _plugins(project):
@@ -109,12 +109,17 @@ def _ids(value: Optional[List[str]]) -> set[str]:
 @command
 def run(config: Optional[Path] = ConfigOpt,
         only: Optional[List[str]] = typer.Option(None, help="stage only these plugin ids (repeat or comma-separate)"),
-        skip: Optional[List[str]] = typer.Option(None, help="do not stage these plugin ids")) -> None:
+        skip: Optional[List[str]] = typer.Option(None, help="do not stage these plugin ids"),
+        preset: Optional[str] = typer.Option(None, help="embedded default: the engine's model preset "
+                                             "(tiny, small, qwen3.6-35b-a3b) or a config.json"),
+        device: Optional[str] = typer.Option(None, help="embedded default: the engine's device (cpu, cuda, cuda:N)"),
+        dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
+        num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth")) -> None:
     """Measure the baseline, then stage every plugin in order: keep what helps, roll back the rest."""
     from orchestrator.lock import state_lock
     from orchestrator.stage import Interrupted, Stager
     from orchestrator.status import status_data, steps_table
-    project = _project(config)
+    project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
     plugins = _plugins(project)
     only_ids, skip_ids = _ids(only), _ids(skip)
     unknown = (only_ids | skip_ids) - {p.id for p in plugins}

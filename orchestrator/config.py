@@ -10,7 +10,7 @@ from orchestrator.loading import ConfigError, read_yaml, validate
 from orchestrator.targets import Target, TargetConfig, target_class
 
 CONFIG_NAME = "orchestrator.yaml"
-EXAMPLES = Path(__file__).resolve().parent / "examples"
+OPTIMIZATIONS = Path(__file__).resolve().parents[1] / "optimizations"
 
 
 class Policy(BaseModel):
@@ -123,31 +123,32 @@ class Project:
         return self.state_dir / "orchestrator.db"
 
 
-def load(path: Path | None = None, cwd: Path | None = None) -> Project:
-    """`--config FILE`, else ./orchestrator.yaml, else the embedded default."""
+def load(path: Path | None = None, cwd: Path | None = None, engine: dict[str, Any] | None = None) -> Project:
+    """`--config FILE`, else ./orchestrator.yaml, else the embedded default; `engine` (model, device,
+    dtype, num_layers) scales the embedded default and is refused with a config of the user's own."""
     cwd = (cwd or Path.cwd()).resolve()
+    engine = {k: v for k, v in (engine or {}).items() if v is not None}
     if path is None:
         candidate = cwd / CONFIG_NAME
         if not candidate.exists():
-            return embedded_default(cwd)
+            return embedded_default(cwd, engine)
         path = candidate
     path = Path(path).resolve()
+    if engine:
+        flags = ", ".join("--" + k.replace("_", "-") for k in engine)
+        raise ConfigError(path, None, f"{flags} apply to the embedded default only; set them under `target:` here")
     data, tree = read_yaml(path)
     return Project(*parse(data, path, tree), path.parent, path)
 
 
-def embedded_default(cwd: Path) -> Project:
-    """The config used without --config or ./orchestrator.yaml: the shipped example on a copy in ./state."""
+def embedded_default(cwd: Path, engine: dict[str, Any] | None = None) -> Project:
+    """The config used without --config or ./orchestrator.yaml: the shipped optimizations staged on the
+    reference engine, whose workspace lives in ./state/engine."""
     state = cwd / "state"
     data = {
-        "target": {"kind": "files", "root": str(state / "example-target"), "copy_from": str(EXAMPLES / "target")},
-        "plugins": str(EXAMPLES / "plugins"),
+        "target": {"kind": "engine", **(engine or {})},
+        "plugins": str(OPTIMIZATIONS),
         "state": str(state),
-        "probes": [
-            {"name": "answers", "role": "correctness", "command": ["python", "probes/answers.py"], "timeout": 60},
-            {"name": "speed", "role": "throughput", "command": ["python", "probes/speed.py"],
-             "timeout": 60, "objective": "tokens_per_s"},
-        ],
-        "policy": {"repeats": 3, "min_pairs": 3, "max_pairs": 4},
+        "policy": {"min_pairs": 3, "max_pairs": 5},
     }
-    return Project(*parse(data, "<embedded default>"), EXAMPLES, None)
+    return Project(*parse(data, "<embedded default>"), cwd, None)

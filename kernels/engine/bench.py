@@ -128,14 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + field.replace("_", "-"), type=int, default=value)
     args = parser.parse_args(argv)
     workload = Workload(**{f: getattr(args, f) for f in asdict(defaults)})
-    if not 0 <= workload.prefix_len <= workload.input_len or workload.num_prompts < 1 or workload.output_len < 1:
-        parser.error("need 0 <= --prefix-len <= --input-len, --num-prompts >= 1 and --output-len >= 1")
+    if not 0 <= workload.prefix_len <= workload.input_len or min(workload.input_len, workload.num_prompts,
+                                                                  workload.output_len, workload.num_prefixes) < 1:
+        parser.error("need 0 <= --prefix-len <= --input-len and --input-len, --num-prompts, --output-len, "
+                     "--num-prefixes >= 1")
     overrides = _parse_set(args.set)
     for key in ("device", "dtype"):
         if getattr(args, key):
             overrides[key] = getattr(args, key)
     try:
         configs = [load_config(path, overrides) for path in args.config]  # all checked before any runs
+        for config in configs:
+            if workload.input_len + workload.output_len > config.max_model_len:
+                raise config.error("max-model-len", f"{config.max_model_len} is shorter than the workload's "
+                                                    f"{workload.input_len} + {workload.output_len} tokens")
         results = []
         for config in configs:
             results.append(bench_config(config, workload))

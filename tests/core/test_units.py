@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -88,14 +89,25 @@ def test_command_step_tree_snapshot_restores_everything(tmp_path):
     assert os.readlink(root / "link") == "d/f.txt" and (root / "keep.sh").stat().st_mode & 0o777 == 0o755
 
 
-def test_embedded_default_runs_the_shipped_example(tmp_path):
+def test_shipped_files_example_runs(tmp_path):
+    shutil.copytree(REPO / "orchestrator" / "examples", tmp_path / "example")
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run"], cwd=tmp_path / "example", env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "raise-max-num-seqs" in proc.stdout and "kept" in proc.stdout
-    assert "max-num-seqs: 256" in (tmp_path / "state" / "example-target" / "serve.yaml").read_text()
-    assert (tmp_path / "state" / "orchestrator.db").exists()
+    state = tmp_path / "example" / "state"
+    assert "max-num-seqs: 256" in (state / "example-target" / "serve.yaml").read_text()
+    assert (state / "orchestrator.db").exists()
+
+
+def test_engine_flags_are_refused_with_a_users_config(tmp_path):
+    from orchestrator.config import load
+    from orchestrator.loading import ConfigError
+    (tmp_path / "orchestrator.yaml").write_text("target: {kind: files, root: t}\n")
+    with pytest.raises(ConfigError, match="--device apply to the embedded default only"):
+        load(cwd=tmp_path, engine={"device": "cuda"})
+    assert load(cwd=tmp_path / "nowhere", engine={"device": "cpu"}).target.kind == "engine"
 
 
 def test_target_variables_and_params_are_substituted(tmp_path):

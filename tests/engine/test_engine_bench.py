@@ -36,3 +36,10 @@ def test_a_bad_config_is_named_and_nothing_runs(tmp_path):
     assert proc.returncode == 2
     assert f"{bad}: max-num-seqs:" in proc.stderr
     assert proc.stdout == ""  # the good config did not run either
+
+
+def test_a_workload_longer_than_max_model_len_is_refused_before_anything_runs(capsys):
+    rc = bench.main(["--config", str(CONFIGS / "baseline.yaml"), "--input-len", "4000", "--output-len", "200"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "baseline.yaml: max-model-len: 4096 is shorter than the workload's 4000 + 200 tokens" in err

@@ -1,3 +1,4 @@
+import json
 import logging
 import sys
 import types
@@ -127,3 +128,17 @@ def test_tokenizer_round_trips_text():
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert all(0 <= t < 256 for t in tokenizer.encode(text))
     assert tokenizer.decode([104, 300, 105]) == "hi"
+
+
+def test_a_hugging_face_config_without_output_gate_or_shared_expert_runs(tmp_path):
+    hf = {"vocab_size": 300, "hidden_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 24, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "serve.yaml").write_text("model: config.json\ndevice: cpu\nkv-cache-memory: 1048576\n")
+    llm = LLM(tmp_path / "serve.yaml")
+    model = llm.engine.model_runner.model
+    assert not model.config.attn_output_gate and model.config.shared_expert_intermediate_size == 0
+    out = llm.generate([[1, 2, 3], [4] * 20], 6)
+    assert [len(o) for o in out] == [6, 6] and all(0 <= t < 300 for o in out for t in o)
+    assert llm.generate([[4] * 20], 6) == out[1:]  # the same prompt alone: the same tokens
