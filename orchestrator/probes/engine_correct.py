@@ -111,39 +111,50 @@ def compare(expected: list[list[int]], got: list[list[int]], early_tokens: int) 
             "early_divergence_fraction": sum(f < early_tokens for f in first) / len(first)}
 
 
-def kernel_checks(choice: dict[str, str], config: EngineConfig, mode: str) -> list[dict]:
-    """``python -m kernels.check`` for each distinct (op, variant) the engine runs, in parallel."""
-    pairs = sorted({(KERNEL_KEYS[key], variant) for key, variant in choice.items()
-                    if variant != "reference"})
-    device = config.torch_device().type
-    dtype = str(config.torch_dtype()).removeprefix("torch.")
-    procs = []
-    for op, variant in pairs:
-        argv = [sys.executable, "-m", "kernels.check", "--op", op, "--variant", variant,
-                "--device", device, "--dtype", dtype]
-        if mode == "small" or (mode == "auto" and device == "cpu"):
-            argv.append("--small")
-        procs.append((op, variant, subprocess.Popen(argv, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.PIPE, text=True)))
-    results = []
-    for op, variant, proc in procs:
+class KernelChecks:
+    """``python -m kernels.check`` for each distinct (op, variant) the engine runs, started as soon
+    as the engine has chosen its kernels, so that they run while it generates."""
+
+    def __init__(self, config: EngineConfig, mode: str):
+        self.device = config.torch_device().type
+        self.dtype = str(config.torch_dtype()).removeprefix("torch.")
+        self.small = mode == "small" or (mode == "auto" and self.device == "cpu")
+        self._procs: dict[tuple[str, str], subprocess.Popen] = {}
+
+    def start(self, choice: dict[str, str]) -> None:
+        for op, variant in sorted({(KERNEL_KEYS[k], v) for k, v in choice.items() if v != "reference"}):
+            if (op, variant) not in self._procs:
+                argv = [sys.executable, "-m", "kernels.check", "--op", op, "--variant", variant,
+                        "--device", self.device, "--dtype", self.dtype, *(["--small"] if self.small else [])]
+                self._procs[op, variant] = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                                            stderr=subprocess.PIPE, text=True)
+
+    def results(self) -> list[dict]:
+        return [self._result(op, variant, proc) for (op, variant), proc in self._procs.items()]
+
+    def kill(self) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+    @staticmethod
+    def _result(op: str, variant: str, proc: subprocess.Popen) -> dict:
         try:
             out, err = proc.communicate(timeout=CHECK_TIMEOUT)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            results.append({"op": op, "variant": variant, "passed": False,
-                            "error": f"kernels.check timed out after {CHECK_TIMEOUT} s"})
-            continue
+            return {"op": op, "variant": variant, "passed": False,
+                    "error": f"kernels.check timed out after {CHECK_TIMEOUT} s"}
         lines = [line for line in out.splitlines() if line.strip()]
         try:
             result = json.loads(lines[-1])
         except (IndexError, json.JSONDecodeError):
-            result = {"passed": False, "error": f"kernels.check exited {proc.returncode} without "
-                      f"a JSON result: {err.strip()[-500:]}"}
+            result = {"error": f"kernels.check exited {proc.returncode} without a JSON result: "
+                               f"{err.strip()[-500:]}"}
         result.update(op=op, variant=variant, passed=bool(result.get("passed")) and proc.returncode == 0)
-        results.append(result)
-    return results
+        return result
 
 
 def judge(reference: dict, config: EngineConfig, args: argparse.Namespace) -> dict:
@@ -161,32 +172,41 @@ def judge(reference: dict, config: EngineConfig, args: argparse.Namespace) -> di
         passes["long_decode"] = fit(config, prompts, max_tokens, decode_long_threshold=LONG_SPLIT)
     result: dict = {"mode": "exact" if exact else "agreement", "passes": {}}
     choice: dict[str, str] = {}
-    for name, cfg in passes.items():
-        try:
-            llm = LLM(cfg)
-            outputs = llm.generate(prompts, max_tokens)
-        except ConfigError:
-            raise
-        except Exception as exc:  # a crashing kernel is an incorrect candidate, not a probe bug
-            raise ProbeFailure(f"{name}: the engine failed: {type(exc).__name__}: {exc}") from None
-        choice.update(llm.kernel_choice)
-        cmp = compare(reference["outputs"], outputs, args.early_tokens)
-        cmp["passed"] = cmp["exact"] if exact else cmp["early_divergence_fraction"] <= args.max_early_fraction
-        result["passes"][name] = cmp
-    result["kernels"] = choice
-    result["kernel_checks"] = ([] if args.kernel_checks == "none"
-                               else kernel_checks(choice, config, args.kernel_checks))
-    failed = [f"{name}: " + ("outputs differ from the reference" if exact else
-                             f"{p['early_divergence_fraction']:.0%} of prompts diverge within "
-                             f"{args.early_tokens} tokens (at most {args.max_early_fraction:.0%} allowed)")
-              for name, p in result["passes"].items() if not p["passed"]]
-    failed += [f"kernels.check {c['op']}/{c['variant']} failed"
-               + (f": {c['error']}" if c.get("error") else "")
-               for c in result["kernel_checks"] if not c["passed"]]
+    checks = KernelChecks(config, args.kernel_checks)
+    try:
+        for name, cfg in passes.items():
+            try:
+                llm = LLM(cfg)
+                if args.kernel_checks != "none":
+                    checks.start(llm.kernel_choice)
+                outputs = llm.generate(prompts, max_tokens)
+            except ConfigError:
+                raise
+            except Exception as exc:  # a crashing kernel is an incorrect candidate, not a probe bug
+                raise ProbeFailure(f"{name}: the engine failed: {type(exc).__name__}: {exc}") from None
+            choice.update(llm.kernel_choice)
+            cmp = compare(reference["outputs"], outputs, args.early_tokens)
+            cmp["passed"] = cmp["exact"] if exact else cmp["early_divergence_fraction"] <= args.max_early_fraction
+            result["passes"][name] = cmp
+        result["kernels"] = choice
+        result["kernel_checks"] = checks.results()
+    finally:
+        checks.kill()
+    failed = _failures(result, exact, args)
     result["passed"] = not failed
     if failed:
         result["error"] = "; ".join(failed)
     return result
+
+
+def _failures(result: dict, exact: bool, args: argparse.Namespace) -> list[str]:
+    failed = [f"{name}: " + ("outputs differ from the reference" if exact else
+                             f"{p['early_divergence_fraction']:.0%} of prompts diverge within "
+                             f"{args.early_tokens} tokens (at most {args.max_early_fraction:.0%} allowed)")
+              for name, p in result["passes"].items() if not p["passed"]]
+    return failed + [f"kernels.check {c['op']}/{c['variant']} failed"
+                     + (f": {c['error']}" if c.get("error") else "")
+                     for c in result["kernel_checks"] if not c["passed"]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

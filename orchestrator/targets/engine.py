@@ -23,11 +23,11 @@ class Workload(BaseModel):
     """The serving benchmark's load; defaults finish in seconds with the `tiny` preset on two CPU cores."""
 
     model_config = ConfigDict(extra="forbid")
-    num_prompts: int = Field(24, ge=1)
-    input_len: int = Field(96, ge=1)
-    output_len: int = Field(24, ge=1)
+    num_prompts: int = Field(32, ge=1)
+    input_len: int = Field(128, ge=1)
+    output_len: int = Field(32, ge=1)
     shared_prefix_fraction: float = Field(0.5, ge=0, lt=1)
-    max_concurrency: int = Field(16, ge=1)
+    max_concurrency: int = Field(32, ge=1)
     seed: int = 0
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import kernels
 from serving_support import start_server, write_config
 
 
@@ -33,3 +34,13 @@ def server(tiny_config):
     proc, url = start_server(tiny_config)
     yield url
     proc.stop()
+
+
+@pytest.fixture
+def wrong_kernels(monkeypatch):
+    """Registers the wrong decode variants of wrong_kernels.py for this test only."""
+    monkeypatch.setitem(kernels._REGISTRY, "paged_decode", {
+        **kernels._REGISTRY["paged_decode"],
+        "off_by_constant": "wrong_kernels:off_by_constant_when_long",
+        "crash": "wrong_kernels:crash_when_long",
+    })

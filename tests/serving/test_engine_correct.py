@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 
+import psutil
 import pytest
 
-import kernels
 from serving_support import PY, REPO, env, last_json, write_config
 from kernels.engine.config import load_config
 from orchestrator.probes import engine_correct
@@ -19,16 +19,6 @@ dtype: {dtype}
 kv-cache-memory: 16777216
 max-model-len: 256
 """
-
-
-@pytest.fixture
-def wrong_kernels(monkeypatch):
-    """Registers the wrong decode variants for this test only."""
-    monkeypatch.setitem(kernels._REGISTRY, "paged_decode", {
-        **kernels._REGISTRY["paged_decode"],
-        "off_by_constant": "wrong_kernels:off_by_constant_when_long",
-        "crash": "wrong_kernels:crash_when_long",
-    })
 
 
 def probe(capsys, *argv: str) -> tuple[int, dict]:
@@ -94,9 +84,12 @@ def test_wrong_long_decode_kernel_fails_in_float32(fp32_reference, tmp_path, cap
 def test_crashing_kernel_fails_with_the_engine_error(fp32_reference, tmp_path, capsys, wrong_kernels):
     _, ref, _ = fp32_reference
     cand = config(tmp_path, "cand", extra="attention-decode-long: crash\ndecode-long-threshold: 100\n")
-    rc, out = probe(capsys, "--reference", str(ref), "--config", cand, "--kernel-checks", "none")
+    rc, out = probe(capsys, "--reference", str(ref), "--config", cand)
     assert rc == 1 and out["passed"] is False
     assert "as_configured: the engine failed: RuntimeError: illegal memory access" in out["error"]
+    # the kernel checks it had started are stopped, not left running
+    assert not [p for p in psutil.Process().children(recursive=True)
+                if "kernels.check" in " ".join(p.cmdline())]
 
 
 def test_bfloat16_threshold_passes_the_right_kernels_and_catches_the_wrong_one(tmp_path, capsys, wrong_kernels):
@@ -146,9 +139,9 @@ def test_bad_config_records_nothing(tmp_path, capsys):
 
 
 def test_failing_kernel_check_fails_the_probe(tmp_path):
-    cfg = load_config(config(tmp_path, "c"))
-    results = engine_correct.kernel_checks({"moe-dispatch": "sorted", "attention-decode": "no_such"},
-                                           cfg, "small")
+    checks = engine_correct.KernelChecks(load_config(config(tmp_path, "c")), "auto")
+    checks.start({"moe-dispatch": "sorted", "attention-decode": "no_such"})
+    results = checks.results()
     by_variant = {r["variant"]: r for r in results}
     assert by_variant["sorted"]["passed"] is True and by_variant["sorted"]["worst_error"] < 1e-4
     assert by_variant["no_such"]["passed"] is False

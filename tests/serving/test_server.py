@@ -255,3 +255,29 @@ def test_bad_config_exits_2_naming_file_and_key(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env())
     assert proc.returncode == 2
     assert f"{config}: max-num-seqs" in proc.stderr
+
+
+def test_engine_failure_answers_500_then_health_turns_503(wrong_kernels):
+    """A kernel that crashes mid-step takes the engine loop down: the request in flight gets a
+    500 naming the error, and the server says it is unhealthy instead of hanging."""
+    from kernels.engine.llm_engine import LLMEngine
+    from kernels.engine.serve import Limits, build_app
+
+    engine = LLMEngine({"model": "tiny", "device": "cpu", "dtype": "float32", "kv-cache-memory": 1 << 24,
+                        "attention-decode-long": "crash", "decode-long-threshold": 100})
+    app = build_app(engine, tokenizer, Limits("tiny", engine.config.max_model_len, engine.config.vocab_size))
+
+    async def go():
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:
+            assert (await client.get("/health")).status_code == 200
+            ok = await client.post("/v1/completions", json={"prompt": [1] * 10, "max_tokens": 2})
+            assert ok.status_code == 200
+            resp = await client.post("/v1/completions", json={"prompt": [1] * 700, "max_tokens": 2})
+            assert resp.status_code == 500
+            assert "illegal memory access" in resp.json()["error"]["message"]
+            assert (await client.get("/health")).status_code == 503
+            late = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            assert late.status_code == 503
+
+    asyncio.run(go())
