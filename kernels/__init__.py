@@ -6,6 +6,7 @@ variant never imports Triton (which must see ``TRITON_INTERPRET`` before its fir
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable
 
 OPS = ("paged_decode", "prefix_prefill", "moe")
@@ -33,6 +34,15 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "triton": "kernels.moe_triton:moe_triton",
     },
 }
+
+
+# Whether the user asked for Triton's interpreter, read before any Triton module sets it for itself
+# (they do on machines without CUDA, so that tests can run them).
+INTERPRET_REQUESTED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def uses_triton(op: str, variant: str) -> bool:
+    return variant in variants(op) and "triton" in _REGISTRY[op][variant].partition(":")[0]
 
 
 class UnknownKernel(KeyError):

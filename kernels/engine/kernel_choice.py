@@ -47,6 +47,10 @@ def _check_inputs(op: str, model: ModelConfig, block_size: int, dtype, device, s
 
 def self_check(op: str, variant: str, args: dict, extra: dict) -> str | None:
     """None when ``variant`` matches the reference on ``args``, else why not."""
+    device = next(v for v in args.values() if isinstance(v, torch.Tensor)).device
+    if device.type != "cuda" and kernels.uses_triton(op, variant) and not kernels.INTERPRET_REQUESTED:
+        # the interpreter would pass the check and then serve 10-100x slower than any torch variant
+        return "Triton kernels need a CUDA device here (set TRITON_INTERPRET=1 to run them interpreted)"
     try:
         fn = kernels.get(op, variant)
         out = fn(**args, **extra)

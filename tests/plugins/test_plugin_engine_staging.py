@@ -44,7 +44,10 @@ policy: {{rule: first, repeats: 1, min_gain: 0.02}}
 
 
 def cli(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # the tuning plugin applies only where the engine would run the Triton prefill: a GPU or, as here,
+    # Triton's interpreter asked for
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--config", "orchestrator.yaml"],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=900)
 
@@ -79,3 +82,24 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     back = cli(tmp_path, "rollback", "--all")
     assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
     assert serve.read_bytes() == (CONFIGS / "baseline.yaml").read_bytes()
+
+
+def test_tuning_is_not_applicable_where_the_engine_would_not_run_triton(tmp_path):
+    """On the CPU without TRITON_INTERPRET the engine falls back from Triton, so searching its launch
+    parameters would measure nothing: the precondition says so."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    serve = tmp_path / "serve.yaml"
+    base = (CONFIGS / "baseline.yaml").read_text()
+    script = ("import sys; sys.path.insert(0, %r); import hooks; "
+              "sys.exit(0 if hooks.triton_prefill_in_use(%r, 'serve.yaml') else 3)")
+    hooks = OPTIMIZATIONS / "prefill-triton-tuning"
+    outcomes = []
+    for prefill, extra_env in (("[triton, pregather]", {}), ("[triton, pregather]", {"TRITON_INTERPRET": "1"}),
+                               ("loop", {"TRITON_INTERPRET": "1"})):
+        serve.write_text(base.replace("attention-prefill: loop", f"attention-prefill: {prefill}")
+                         .replace("device: auto", "device: cpu"))
+        proc = subprocess.run([sys.executable, "-c", script % (str(hooks), str(tmp_path))],
+                              env={**env, **extra_env}, capture_output=True, text=True, timeout=120)
+        outcomes.append(proc.returncode)
+    assert outcomes == [3, 0, 3]
