@@ -55,7 +55,7 @@ def _plugins(project):
     from orchestrator.plugin import load_all
     if not project.plugins_dir.is_dir():
         raise ConfigError(project.source or "<embedded default>", "plugins", f"{project.plugins_dir} is not a folder")
-    return load_all(project.plugins_dir, project.target.roots, project.target.vars, project.policy)
+    return load_all(project.plugins_dir, project.target.roots, project.target.vars, project.policy, project.target.kind)
 
 
 def _open(project):
@@ -68,7 +68,7 @@ def _open(project):
 def _recover(store, journal) -> None:
     from orchestrator.recovery import recover
     for step in recover(store, journal):
-        console.print(f"recovered: [red]{step['plugin']}[/] rolled back (interrupted during {step['state']}) "
+        console.print(f"recovered: [red]{escape(step['plugin'])}[/] rolled back (interrupted during {step['state']}) "
                       f"in run {step['run_id']}", highlight=False)
 
 
@@ -95,10 +95,10 @@ class LiveReporter:
         self.live.update(text)
 
     def outcome(self, plugin: str, outcome: str, reason: str | None, gain: float | None) -> None:
-        colour = {"kept": "green", "rolled_back": "red", "skipped": "yellow"}[outcome]
+        colour = {"kept": "green", "rolled_back": "red", "skipped": "yellow"}.get(outcome, "cyan")
         extra = "" if gain is None else f"  gain {gain:+.2%}"
         (self.live.console if self.live else console).print(
-            f"[{colour}]{outcome:<11}[/] {plugin}  {reason or ''}{extra}", highlight=False)
+            f"[{colour}]{outcome:<11}[/] {escape(plugin)}  {escape(reason or '')}{extra}", highlight=False)
 
 
 def _ids(value: Optional[List[str]]) -> set[str]:
@@ -114,14 +114,20 @@ def run(config: Optional[Path] = ConfigOpt,
                                              "(tiny, small, qwen3.6-35b-a3b) or a config.json"),
         device: Optional[str] = typer.Option(None, help="embedded default: the engine's device (cpu, cuda, cuda:N)"),
         dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
-        num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth")) -> None:
+        num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth"),
+        attribute: bool = typer.Option(False, "--attribute", help="after the final re-validation, measure each "
+                                       "kept plugin's contribution (the stack without it against the whole stack)"),
+        reverify: bool = typer.Option(False, "--reverify", help="stage nothing; re-judge the kept plugins whose "
+                                      "decisions were measured in another environment (shown stale by status)")) -> None:
     """Measure the baseline, then stage every plugin in order: keep what helps, roll back the rest."""
     from orchestrator.lock import state_lock
     from orchestrator.stage import Interrupted, Stager
-    from orchestrator.status import status_data, steps_table
+    from orchestrator.status import status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
     plugins = _plugins(project)
     only_ids, skip_ids = _ids(only), _ids(skip)
+    if reverify and (attribute or only_ids or skip_ids):
+        raise UserError("--reverify re-judges the kept plugins only; it takes no --attribute, --only or --skip")
     unknown = (only_ids | skip_ids) - {p.id for p in plugins}
     if unknown:
         raise ConfigError(project.plugins_dir, "--only/--skip", f"unknown plugin id(s): {', '.join(sorted(unknown))}")
@@ -139,13 +145,13 @@ def run(config: Optional[Path] = ConfigOpt,
         try:
             if live:
                 with live:
-                    run_id = stager.run(only_ids, skip_ids)
+                    run_id = stager.run(only_ids, skip_ids, attribute, reverify)
             else:
-                run_id = stager.run(only_ids, skip_ids)
+                run_id = stager.run(only_ids, skip_ids, attribute, reverify)
         except (KeyboardInterrupt, Interrupted):
             raise UserError("interrupted; the unfinished plugin was rolled back and the run recorded as interrupted")
         data = status_data(store, run_id)
-        console.print(steps_table(data))
+        show_status(data)
         if data["run"]["status"] != "finished":
             raise UserError(f"run {run_id} {data['run']['status']}: {data['run']['detail']}")
 
@@ -157,7 +163,7 @@ def status(config: Optional[Path] = ConfigOpt,
            run_id: Optional[int] = typer.Option(None, "--run", help="a run id (default: the latest run)"),
            runs: bool = typer.Option(False, "--runs", help="list all runs")) -> None:
     """Outcomes of the latest run (works while a run is going)."""
-    from orchestrator.status import runs_table, status_data, steps_table
+    from orchestrator.status import runs_table, status_data
     from orchestrator.store import Store
     project = _project(config)
     if not project.db_path.exists():
@@ -175,10 +181,16 @@ def status(config: Optional[Path] = ConfigOpt,
     if json_out:
         print(json.dumps(data, indent=1, default=str))
     else:
-        if data["baseline"]:
-            console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in data["baseline"].items()),
-                          highlight=False)
-        console.print(steps_table(data))
+        show_status(data)
+
+
+def show_status(data: dict) -> None:
+    from orchestrator.status import revalidation_lines, steps_table
+    if data["baseline"]:
+        console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in data["baseline"].items()), highlight=False)
+    console.print(steps_table(data))
+    for line in revalidation_lines(data):
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -195,18 +207,18 @@ def plan(config: Optional[Path] = ConfigOpt) -> None:
         kept = set(store.deployed())
     for root in dict.fromkeys(project.target.roots.values()):
         if not root.exists():
-            console.print(f"[yellow]{root} does not exist yet: the first `orchestrator run` creates it; "
+            console.print(f"[yellow]{escape(str(root))} does not exist yet: the first `orchestrator run` creates it; "
                           "steps on its files are shown failing until then[/]", highlight=False, soft_wrap=True)
     for i, item in enumerate(build_plan(project, plugins, kept), 1):
         m = item.plugin.manifest
-        head = f"[bold]{i}. {m.id}[/] (order {m.order})" + (f" – {m.description}" if m.description else "")
+        head = f"[bold]{i}. {escape(m.id)}[/] (order {m.order})" + (f" – {escape(m.description)}" if m.description else "")
         console.print(head, highlight=False, soft_wrap=True)
         if m.id in kept:
             console.print("   kept earlier: staged again only if its files changed since", highlight=False)
         for note in item.notes:
-            console.print(f"   {note}", highlight=False, soft_wrap=True)
+            console.print(f"   {escape(note)}", highlight=False, soft_wrap=True)
         if item.skipped:
-            console.print(f"   [yellow]would be skipped: {item.skipped}[/]", highlight=False)
+            console.print(f"   [yellow]would be skipped: {escape(item.skipped)}[/]", highlight=False)
         for diff in item.diffs:
             console.print(Text(diff.rstrip("\n")), highlight=False, soft_wrap=True)
 
@@ -232,7 +244,7 @@ def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept p
             console.print("nothing to roll back")
             return
         for row in roll_back(store, journal, project, todo, plugins):
-            console.print(f"[red]rolled_back[/] {row['plugin']}", highlight=False)
+            console.print(f"[red]rolled_back[/] {escape(row['plugin'])}", highlight=False)
 
 
 @app.command()
@@ -249,7 +261,7 @@ def recover(config: Optional[Path] = ConfigOpt) -> None:
         store, journal = _open(project)
         rolled = do_recover(store, journal)
         for step in rolled:
-            console.print(f"[red]rolled_back[/] {step['plugin']}: interrupted during {step['state']} "
+            console.print(f"[red]rolled_back[/] {escape(step['plugin'])}: interrupted during {step['state']} "
                           f"(run {step['run_id']})", highlight=False)
         if not rolled:
             console.print("nothing to recover")
@@ -269,7 +281,7 @@ def plugins_list(config: Optional[Path] = ConfigOpt) -> None:
         table.add_column(col)
     for p in _plugins(project):
         m = p.manifest
-        table.add_row(str(m.order), m.id, m.description, ", ".join(m.requires), ", ".join(m.after),
+        table.add_row(str(m.order), m.id, escape(m.description), ", ".join(m.requires), ", ".join(m.after),
                       ", ".join(m.targets), str(len(p.variants)) if m.params else "")
     console.print(table)
 
@@ -287,9 +299,9 @@ def plugins_validate(path: Optional[Path] = typer.Argument(None, help="a plugin 
     if path.is_file():
         path = path.parent
     if (path / MANIFEST).is_file():
-        plugins = [load_plugin(path, roots, variables)]
+        plugins = [load_plugin(path, roots, variables, project.target.kind)]
     elif path.is_dir():
-        plugins = load_all(path, roots, variables, project.policy)
+        plugins = load_all(path, roots, variables, project.policy, project.target.kind)
     else:
         raise ConfigError(path, None, "no such plugin folder")
     console.print(f"ok: {len(plugins)} plugin(s) valid: {', '.join(p.id for p in plugins)}", highlight=False,
@@ -318,7 +330,7 @@ def new(plugin_id: str = typer.Argument(..., help="the new plugin's id"),
         folder = scaffold(directory, plugin_id)
     except FileExistsError as e:
         raise UserError(str(e))
-    console.print(f"created {folder / 'plugin.yaml'}", highlight=False)
+    console.print(f"created {escape(str(folder / 'plugin.yaml'))}", highlight=False)
 
 
 @app.command()
@@ -341,7 +353,7 @@ def report(config: Optional[Path] = ConfigOpt,
         raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")
     store.close()
     out = out or project.state_dir / "reports" / f"run-{run_row['id']}"
-    console.print(f"wrote {write_report(project.db_path, run_row['id'], out)}", highlight=False)
+    console.print(f"wrote {escape(str(write_report(project.db_path, run_row['id'], out)))}", highlight=False)
 
 
 if __name__ == "__main__":

@@ -228,8 +228,12 @@ def _paths(action: _Action) -> list[tuple[str, str]]:
     return []
 
 
-def load_plugin(folder: Path, roots: dict[str, Path], target_vars: dict[str, str]) -> Plugin:
-    """Load and validate one plugin folder against the target's roots and variables."""
+def load_plugin(folder: Path, roots: dict[str, Path], target_vars: dict[str, str], kind: str | None = None) -> Plugin:
+    """Load and validate one plugin folder against the target's roots and variables.
+
+    With `kind`, roots and paths are checked only for actions that run on that target kind: a step
+    (or a plugin) for another kind may name a root this target does not have.
+    """
     source = folder / MANIFEST
     data, tree = read_yaml(source)
     if not isinstance(data, dict):
@@ -252,6 +256,8 @@ def load_plugin(folder: Path, roots: dict[str, Path], target_vars: dict[str, str
             raw = substitute(data.get(section) or [], variables)
             sections[section] = [validate(model, item, source, tree, prefix=(section, i)) for i, item in enumerate(raw)]
             for i, action in enumerate(sections[section]):
+                if kind is not None and (kind not in manifest.targets or not action.runs_on(kind)):
+                    continue
                 _check_action(action, roots, source, (section, i), tree, plugin.folder)
         plugin.variants.append(Variant(params, **sections))
     return plugin
@@ -280,9 +286,9 @@ def discover(plugins_dir: Path) -> list[Path]:
 
 
 def load_all(plugins_dir: Path, roots: dict[str, Path], target_vars: dict[str, str],
-             policy: Any = None) -> list[Plugin]:
+             policy: Any = None, kind: str | None = None) -> list[Plugin]:
     """Every plugin of the folder, validated (`accept:` merged into `policy`, when given) and in staging order."""
-    plugins = [load_plugin(folder, roots, target_vars) for folder in discover(plugins_dir)]
+    plugins = [load_plugin(folder, roots, target_vars, kind) for folder in discover(plugins_dir)]
     for p in plugins:
         if policy is not None and p.manifest.accept is not None:
             try:

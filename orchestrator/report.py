@@ -18,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
+from orchestrator.status import FINAL, environment
 from orchestrator.store import Store, loads
 
 
@@ -192,7 +193,13 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
         out.append("- environment: " + ", ".join(f"{k} {measured.get(k)}" for k in fp.STALE_KEYS
                                                   if measured.get(k) is not None))
     counts = {k: sum(s.outcome == k for s in stages) for k in ("kept", "rolled_back", "skipped")}
-    out += ["", f"Kept {counts['kept']}, rolled back {counts['rolled_back']}, skipped {counts['skipped']}.", "",
+    out += ["", f"Kept {counts['kept']}, rolled back {counts['rolled_back']}, skipped {counts['skipped']}."]
+    final = next((s for s in stages if s.plugin == FINAL and s.decision), None)
+    if final is not None:
+        verdict = "beats" if final.decision.get("verdict") == "keep" else "is NOT better than"
+        out.append(f"Final re-validation: the kept stack as a whole {verdict} the run's baseline "
+                   f"({_pct(final.decision.get('gain'))}); rows `(without X)` give each plugin's contribution.")
+    out += ["",
             f"![{objective or 'objective'} at each stage]({chart_name})", "",
             "Bars: each candidate's confidence interval (the baseline's: the range of its samples); "
             "the grey line is the deployed objective.", "",
@@ -205,7 +212,7 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
         out.append(f"| {_cell(s.plugin)} | {s.outcome or 'unfinished'} | {s.reason or ''} | {_pct(d.get('gain'))} "
                    f"| {interval} | {n} | {_num(d.get('baseline_median'))} | {_num(d.get('candidate_median'))} "
                    f"| {d.get('rule') or ''} |")
-    current = fp.fingerprint()
+    current = environment()
     for s in stages:
         out += ["", f"## {s.plugin}", "", f"- outcome: {s.outcome or 'unfinished'}"
                 + (f", reason: {s.reason}" if s.reason else "")]

@@ -5,7 +5,7 @@ import os
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from orchestrator import decide
 from orchestrator.config import Policy, ProbeSpec, Project
@@ -13,6 +13,7 @@ from orchestrator.journal import Journal
 from orchestrator.plugin import Plugin, Variant
 from orchestrator.probes.runner import ProbeResult, judge_output, run_process
 from orchestrator.recovery import recover
+from orchestrator.status import FINAL, WITHOUT, environment
 from orchestrator.steps import StepContext, StepFailed, apply_all, check, undo_step
 from orchestrator.store import Store, dumps, loads
 
@@ -66,13 +67,18 @@ def failure(out: ProbeResult) -> str:
     return out.message + (f" (output: {' | '.join(lines[-2:])[-300:]})" if lines else "")
 
 
+MEASURED = "measured"  # outcome of a re-measurement step: it leaves the deployment as it was
+
+
+def without(plugin_id: str) -> str:
+    return f"{WITHOUT}{plugin_id})"
+
+
 def fingerprint() -> dict | None:
     try:
-        from orchestrator.fingerprint import fingerprint as fp
+        return environment()
     except ImportError:
         return None
-    try:
-        return fp()
     except Exception as e:  # noqa: BLE001 - a broken fingerprint must not stop a measurement
         return {"error": repr(e)}
 
@@ -94,6 +100,7 @@ class Stager:
         self.run_id: int | None = None
         self.kept: set[str] = set()
         self.kept_samples: list[Sample] | None = None
+        self.run_kept: list[int] = []  # steps kept by this run, in order
 
     # environment and processes
     def env(self, plugin: str) -> dict[str, str]:
@@ -143,17 +150,27 @@ class Stager:
         return Sample(value, metrics)
 
     # the run
-    def run(self, only: set[str] | None = None, skip: set[str] | None = None) -> int:
+    def run(self, only: set[str] | None = None, skip: set[str] | None = None, attribute: bool = False,
+            reverify: bool = False) -> int:
+        """Stage the plugins, then re-validate the stack this run kept (and, with `attribute`, each plugin's share);
+        `reverify` instead re-judges the kept plugins whose decisions were measured in another environment."""
         self.run_id = self.store.start_run("run", str(self.project.source or "<embedded default>"), self.kind)
         self.tmp.mkdir(parents=True, exist_ok=True)
         deployed = self.store.deployed()
         self.kept = set(deployed)
         try:
-            self.baseline()
-            for plugin in self.plugins:
-                if (only and plugin.id not in only) or (skip and plugin.id in skip):
-                    continue
-                self.stage(plugin)
+            if reverify:
+                self.reverify()
+            else:
+                self.baseline()
+                for plugin in self.plugins:
+                    if (only and plugin.id not in only) or (skip and plugin.id in skip):
+                        continue
+                    self.stage(plugin)
+                if self.throughput and self.run_kept:
+                    self.revalidate()
+                    if attribute:
+                        self.attribute()
         except (KeyboardInterrupt, Interrupted):
             recover(self.store, self.journal, "interrupted", "stopped by a signal")
             raise
@@ -284,30 +301,42 @@ class Stager:
         return verdict
 
     def measure(self, step_id: int, policy: Policy, name: str) -> Verdict:
-        """Interleaved A/B pairs until the judge decides, or one baseline reused against `repeats` candidates."""
+        """Interleaved A/B pairs until the judge decides, or one baseline reused against added candidate samples."""
         judge = decide.Judge(policy)
         if policy.interleave:
-            base, cand = [], []
-            while True:
-                n = len(base)
-                self.journal.show(step_id, "pre")
-                base.append(self.sample(step_id, "baseline", n, name))
-                self.journal.show(step_id, "post")
-                cand.append(self.sample(step_id, "candidate", n, name))
-                d = judge.decide([s.value for s in base], [s.value for s in cand], final=n + 1 >= policy.max_pairs)
-                if d is not None:
-                    return Verdict(step_id, d, base, cand)
+            return self.interleaved(step_id, judge, policy, name, lambda: self.journal.show(step_id, "pre"),
+                                    lambda: self.journal.show(step_id, "post"))
         if self.kept_samples is None:
             self.journal.show(step_id, "pre")
             self.kept_samples = [self.sample(step_id, "baseline", i, name) for i in range(policy.repeats)]
             self.journal.show(step_id, "post")
         base = self.kept_samples
-        cand = [self.sample(step_id, "candidate", i, name) for i in range(policy.repeats)]
-        b, c = [s.value for s in base], [s.value for s in cand]
-        d = decide.first_rule(b, c, policy.min_gain) if policy.rule == "first" else judge.decide(b, c, final=True)
-        if d is None:
-            d = decide.Decision("inconclusive", None, n_baseline=len(b), n_candidate=len(c), notes=["judge gave no verdict"])
-        return Verdict(step_id, d, base, cand)
+        b = [s.value for s in base]
+        cand: list[Sample] = []
+        if policy.rule == "first":
+            cand = [self.sample(step_id, "candidate", i, name) for i in range(policy.repeats)]
+            return Verdict(step_id, decide.first_rule(b, [s.value for s in cand], policy.min_gain), base, cand)
+        while True:
+            cand.append(self.sample(step_id, "candidate", len(cand), name))
+            d = judge.decide(b, [s.value for s in cand], final=len(cand) >= policy.max_pairs)
+            if d is not None:
+                return Verdict(step_id, d, base, cand)
+
+    def interleaved(self, step_id: int | None, judge: decide.Judge, policy: Policy, name: str,
+                    show_base: Callable[[], None], show_cand: Callable[[], None]) -> Verdict:
+        """Pairs until the judge decides; odd pairs measure the candidate first (A B, B A, ...), so a lag within a
+        pair (warm caches, a drifting clock) favours each arm equally often, and consecutive pairs share a switch."""
+        base: list[Sample] = []
+        cand: list[Sample] = []
+        while True:
+            n = len(base)
+            arms = [("baseline", show_base, base), ("candidate", show_cand, cand)]
+            for arm, show, samples in (arms if n % 2 == 0 else arms[::-1]):
+                show()
+                samples.append(self.sample(step_id, arm, n, name))
+            d = judge.decide([s.value for s in base], [s.value for s in cand], final=n + 1 >= policy.max_pairs)
+            if d is not None:
+                return Verdict(step_id, d, base, cand)
 
     def _numbers(self, v: Verdict) -> dict[str, Any]:
         d = v.decision
@@ -329,6 +358,7 @@ class Stager:
             self.store.finish_step(verdict.step_id, "kept", reason,
                                    self._describe(verdict.decision) if verdict.decision else "no throughput probe configured")
         self.kept.add(plugin.id)
+        self.run_kept.append(verdict.step_id)
         if verdict.cand:
             self.kept_samples = verdict.cand
         self.reporter.outcome(plugin.id, "kept", reason, verdict.decision.gain if verdict.decision else None)
@@ -352,3 +382,168 @@ class Stager:
         self.store.finish_step(step_id, "rolled_back", reason, detail)
         self.reporter.outcome(plugin.id, "rolled_back", reason, None)
         return None
+
+    # re-measuring the deployment: each comparison is a step whose pre-image is the deployment and whose
+    # post-image is the state compared with it, so recovery after a crash anywhere puts the deployment back
+    def switch_step(self, name: str, images: list[tuple[dict, dict]], params: dict | None = None) -> int:
+        """`images`: (row holding the deployed image, row whose pre-image is compared) per file."""
+        step_id = self.store.new_step(self.run_id, name, "measuring", params=params, objective=self.objective)
+        self.store.add_files([dict(step_id=step_id, root=now["root"], root_path=now["root_path"], path=now["path"],
+                                   kind="file", before=now["after"], before_mode=now["after_mode"],
+                                   after=then["before"], after_mode=then["before_mode"], sealed=1)
+                              for now, then in images if now["after"] != then["before"]])
+        return step_id
+
+    def compare(self, step_id: int, policy: Policy, name: str) -> Verdict:
+        """The compared state is the baseline arm and the deployment the candidate, so the gain is the
+        deployment's; the target ends as deployed whatever happens."""
+        policy = policy.model_copy(update={"interleave": True})  # pairs, whatever the plugins' mode
+        try:
+            return self.interleaved(step_id, decide.Judge(policy), policy, name,
+                                    lambda: self.journal.show(step_id, "post"), lambda: self.journal.show(step_id, "pre"))
+        finally:
+            self.journal.show(step_id, "pre")
+
+    def record(self, step_id: int, verdict: Verdict, policy: Policy, outcome: str, reason: str | None, detail: str,
+               vetoes: list[str] = ()) -> None:
+        self.store.add_decision(self.run_id, step_id, self.objective, verdict.decision.to_dict(), list(vetoes),
+                                policy.model_dump())
+        self.store.finish_step(step_id, outcome, reason, detail, **self._numbers(verdict))
+        self.reporter.outcome(self.store.step(step_id)["plugin"], outcome, reason, verdict.decision.gain)
+
+    def files(self, step_id: int) -> list[dict]:
+        return [f for f in self.store.file_rows(step_id) if f["kind"] == "file"]
+
+    def revalidate(self) -> None:
+        """The whole stack this run kept against the target as it was before the run's first kept change."""
+        first: dict[tuple[str, str], dict] = {}
+        last: dict[tuple[str, str], dict] = {}
+        for sid in self.run_kept:
+            for f in self.files(sid):
+                first.setdefault((f["root_path"], f["path"]), f)
+                last[(f["root_path"], f["path"])] = f
+        step_id = self.switch_step(FINAL, [(last[k], first[k]) for k in last])
+        policy = self.project.policy
+        self.reporter.phase(FINAL, "re-validating the kept stack")
+        try:
+            verdict = self.compare(step_id, policy, FINAL)
+        except ArmFailed as e:
+            self.store.finish_step(step_id, MEASURED, e.reason, str(e))
+            return
+        d = verdict.decision
+        better = d.verdict == "keep"
+        detail = f"kept stack against the run's baseline: {self._describe(d)}"
+        self.record(step_id, verdict, policy, MEASURED, None if better else "stack_not_better", detail)
+        if not better:
+            self.store.event(self.run_id, "warning", f"the kept stack as a whole is not better than the baseline "
+                                                     f"({detail}); nothing was rolled back", step_id)
+
+    def clashes(self, step_id: int) -> list[str]:
+        """Later kept plugins that changed a file of this step: its pre-images would undo their changes too."""
+        order = [row["step_id"] for row in self.store.deployed().values()]
+        mine = {(f["root_path"], f["path"]) for f in self.files(step_id)}
+        found = []
+        for later in order[order.index(step_id) + 1:] if step_id in order else []:
+            shared = sorted(f["path"] for f in self.files(later) if (f["root_path"], f["path"]) in mine)
+            if shared:
+                found.append(f"{self.store.step(later)['plugin']} ({', '.join(shared)})")
+        return found
+
+    def attribute(self) -> None:
+        """Leave-one-out: each plugin this run kept, switched to its pre-images, against the whole stack."""
+        policy = self.project.policy
+        for sid in list(self.run_kept):
+            plugin_id = self.store.step(sid)["plugin"]
+            name = without(plugin_id)
+            clashes = self.clashes(sid)
+            if clashes:
+                step_id = self.store.new_step(self.run_id, name, "done")
+                self.store.finish_step(step_id, MEASURED, "not_separable",
+                                       f"later kept plugins changed the same files: {'; '.join(clashes)}")
+                self.reporter.outcome(name, MEASURED, "not_separable", None)
+                continue
+            files = self.files(sid)
+            step_id = self.switch_step(name, [(f, f) for f in files])
+            self.reporter.phase(name, "leave-one-out")
+            try:
+                verdict = self.compare(step_id, policy, name)
+            except ArmFailed as e:
+                self.store.finish_step(step_id, MEASURED, e.reason, str(e))
+                continue
+            self.record(step_id, verdict, policy, MEASURED, None,
+                        f"contribution of {plugin_id} to the stack: {self._describe(verdict.decision)}")
+
+    def reverify(self) -> None:
+        """Re-judge each kept plugin whose decision was measured under another fingerprint: its pre-images
+        against its post-images, interleaved; keep it (re-recorded under this environment) or roll it back."""
+        from orchestrator.fingerprint import describe, is_stale
+        current = fingerprint()
+        by_id = {p.id: p for p in self.plugins}
+        for plugin_id, row in self.store.deployed().items():
+            sid = row["step_id"]
+            recorded = self.store.fingerprint_of(sid)
+            if recorded is None or current is None or not is_stale(recorded, current):
+                continue
+            params = loads(row["params"])
+            why = describe(recorded, current)
+            plugin = by_id.get(plugin_id)
+            changed, clashes = self.journal.drifted(sid), self.clashes(sid)
+            problem = None
+            if plugin is None:
+                problem = ("not_applicable", "its plugin folder is gone")
+            elif changed:
+                problem = ("files_changed", f"files changed since it was kept: {', '.join(changed)}")
+            elif clashes:
+                problem = ("not_separable", f"later kept plugins changed the same files: {'; '.join(clashes)}")
+            if problem:
+                step_id = self.store.new_step(self.run_id, plugin_id, "done", params=params)
+                self.store.finish_step(step_id, "skipped", problem[0], f"stale ({why}) but {problem[1]}")
+                self.reporter.outcome(plugin_id, "skipped", problem[0], None)
+                continue
+            self.rejudge(plugin, row, params, why)
+
+    def rejudge(self, plugin: Plugin, row: dict, params: dict | None, why: str) -> None:
+        step_id = self.switch_step(plugin.id, [(f, f) for f in self.files(row["step_id"])], params)
+        policy = self.project.policy.merged(plugin.manifest.accept)
+        self.reporter.phase(plugin.id, "re-verify")
+        try:
+            verdict = self.compare(step_id, policy, plugin.id)
+        except ArmFailed as e:
+            self.store.finish_step(step_id, MEASURED, e.reason, f"stale ({why}); re-verification failed, left kept: {e}")
+            return
+        d = verdict.decision
+        vetoes = decide.check_guardrails(policy.guardrails, [s.metrics for s in verdict.base],
+                                         [s.metrics for s in verdict.cand])
+        self.store.add_decision(self.run_id, step_id, self.objective, d.to_dict(), vetoes, policy.model_dump())
+        numbers = self._numbers(verdict)
+        detail = f"re-judged after {why}: {self._describe(d)}"
+        if decide.Judge(policy).keeps(d) and not vetoes:
+            dirs = [dict(step_id=step_id, root=d["root"], root_path=d["root_path"], path=d["path"], kind="dir")
+                    for d in self.store.file_rows(row["step_id"]) if d["kind"] == "dir"]
+            with self.store.db.atomic():  # the step becomes the plugin's record: its rows turn the usual way round
+                self.store.swap_images(step_id)
+                self.store.add_files(dirs)
+                self.store.deploy(plugin.id, step_id, params, kept_at=row["kept_at"])
+                self.store.finish_step(step_id, "kept", "reverified", detail, **numbers)
+            self.reporter.outcome(plugin.id, "kept", "reverified", d.gain)
+            return
+        reason = "guardrail" if decide.Judge(policy).keeps(d) else {"regressed": "regressed", "no_gain": "no_gain"}.get(
+            d.verdict, "inconclusive")
+        self.journal.show(step_id, "post")
+        variant = next((v for v in plugin.variants if v.params == (params or {})), plugin.variants[0])
+        ctx = self.context(plugin, step_id)
+        for step in reversed(variant.rollback):
+            if step.runs_on(self.kind):
+                try:
+                    undo_step(step, ctx)
+                except StepFailed as e:
+                    self.store.event(self.run_id, "rollback_step_failed", f"{plugin.id}: {e}", step_id)
+        dependents = [p.id for p in self.plugins if plugin.id in p.manifest.requires and p.id in self.store.deployed()]
+        with self.store.db.atomic():
+            self.store.undeploy(plugin.id)
+            self.store.finish_step(step_id, "rolled_back", reason, detail + ("; vetoed: " + "; ".join(vetoes)
+                                                                           if vetoes else ""), **numbers)
+        if dependents:
+            self.store.event(self.run_id, "warning", f"{plugin.id} rolled back; still kept although they require it: "
+                                                     f"{', '.join(dependents)}", step_id)
+        self.reporter.outcome(plugin.id, "rolled_back", reason, d.gain)

@@ -1,11 +1,50 @@
 """What `status` shows: the 3.4 JSON document and the rich tables built from the same rows."""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
+from orchestrator.errors import UserError
 from orchestrator.store import Store, loads
+
+# Re-measurements of the kept stack are steps under these names; plugin ids start with a letter or digit.
+FINAL = "(final)"
+WITHOUT = "(without "
+
+
+def environment() -> dict[str, Any]:
+    """The current fingerprint; ORCHESTRATOR_FINGERPRINT_EXTRA (a JSON object) overrides keys of it, to mark a
+    change the fingerprint cannot see (new firmware, another node pool) so that earlier decisions show stale."""
+    from orchestrator.fingerprint import fingerprint
+    info = fingerprint()
+    extra = os.environ.get("ORCHESTRATOR_FINGERPRINT_EXTRA")
+    if extra:
+        try:
+            overrides = json.loads(extra)
+        except ValueError as e:
+            raise UserError(f"environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: not JSON: {e}") from None
+        if not isinstance(overrides, dict):
+            raise UserError("environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: must be a JSON object")
+        info = {**info, **overrides}
+    return info
+
+
+def _stale(store: Store, step: dict, current: dict[str, Any]) -> dict[str, Any]:
+    """Whether a kept decision was measured in another environment (an already_applied step: its original's)."""
+    from orchestrator.fingerprint import describe, is_stale
+    recorded = store.fingerprint_of(step["id"])
+    if recorded is None and step["reason"] == "already_applied":
+        row = store.deployed().get(step["plugin"])
+        recorded = store.fingerprint_of(row["step_id"]) if row else None
+    if recorded is None:
+        return {"stale": False}
+    if not is_stale(recorded, current):
+        return {"stale": False}
+    return {"stale": True, "stale_because": describe(recorded, current)}
 
 
 def status_data(store: Store, run_id: int | None = None) -> dict[str, Any] | None:
@@ -14,7 +53,8 @@ def status_data(store: Store, run_id: int | None = None) -> dict[str, Any] | Non
         return None
     steps = store.steps(run["id"])
     decisions = store.decisions_for(s["id"] for s in steps)
-    out_steps = []
+    current = environment() if any(s["outcome"] == "kept" for s in steps) else {}
+    out_steps, final, attribution = [], None, []
     for s in steps:
         d = decisions.get(s["id"])
         item = {"plugin": s["plugin"], "outcome": s["outcome"], "reason": s["reason"], "gain": s["gain"],
@@ -25,10 +65,55 @@ def status_data(store: Store, run_id: int | None = None) -> dict[str, Any] | Non
             item["decision"] = {k: d[k] for k in ("verdict", "rule", "ci_low", "ci_high", "n_baseline", "n_candidate",
                                                   "baseline_median", "candidate_median")}
             item["decision"]["vetoes"] = loads(d["vetoes"]) or []
-        out_steps.append(item)
-    return {"run": {"id": run["id"], "status": run["status"], "command": run["command"], "started": run["started"],
-                    "finished": run["finished"], "detail": run["detail"]},
-            "baseline": loads(run["baseline"]) or {}, "steps": out_steps}
+        if s["plugin"] == FINAL:
+            final = {**item, "better": bool(d) and d["verdict"] == "keep"}
+        elif s["plugin"].startswith(WITHOUT):
+            attribution.append({**item, "plugin": s["plugin"][len(WITHOUT):-1]})
+        else:
+            if s["outcome"] == "kept":
+                item.update(_stale(store, s, current))
+            out_steps.append(item)
+    out = {"run": {"id": run["id"], "status": run["status"], "command": run["command"], "started": run["started"],
+                   "finished": run["finished"], "detail": run["detail"]},
+           "baseline": loads(run["baseline"]) or {}, "steps": out_steps}
+    if final is not None:
+        out["final"] = final
+    if attribution:
+        out["attribution"] = attribution
+    return out
+
+
+def _interval(item: dict[str, Any]) -> str:
+    d = item.get("decision") or {}
+    if d.get("ci_low") is None or d.get("ci_high") is None:
+        return ""
+    return f" [{d['ci_low']:+.2%}, {d['ci_high']:+.2%}] over {d['n_baseline']}/{d['n_candidate']} samples"
+
+
+def revalidation_lines(data: dict[str, Any]) -> list[str]:
+    """Rich-markup lines for the final re-validation and the contributions; a stack that is not better is loud."""
+    lines = []
+    final = data.get("final")
+    if final is not None:
+        gain = "" if final["gain"] is None else f"gain {final['gain']:+.2%}"
+        if final.get("decision") is None:
+            lines.append(f"final re-validation: {escape(final['outcome'] or 'in progress')} "
+                         f"{escape(final['reason'] or '')} {escape(final['detail'] or '')}".rstrip())
+        elif final["better"]:
+            lines.append(f"[green]final re-validation[/]: the kept stack beats the run's baseline, {gain}"
+                         f"{escape(_interval(final))}")
+        else:
+            lines.append(f"[bold red]WARNING: the kept stack as a whole is NOT better than the run's baseline[/] "
+                         f"({escape(final['reason'] or '')}: {escape(final['detail'] or '')}); nothing was rolled "
+                         "back: inspect the contributions (`run --attribute`) and roll back by hand")
+    for item in data.get("attribution", []):
+        if item["reason"] == "not_separable":
+            lines.append(f"contribution of {escape(item['plugin'])}: not separable ({escape(item['detail'] or '')})")
+        elif item["gain"] is None:
+            lines.append(f"contribution of {escape(item['plugin'])}: not measured ({escape(item['detail'] or '')})")
+        else:
+            lines.append(f"contribution of {escape(item['plugin'])}: {item['gain']:+.2%}{escape(_interval(item))}")
+    return lines
 
 
 def _num(v: float | None) -> str:
@@ -39,16 +124,17 @@ def steps_table(data: dict[str, Any]) -> Table:
     run = data["run"]
     table = Table(title=f"run {run['id']} ({run['command']}): {run['status']}")
     table.add_column("plugin", overflow="fold")
-    for col in ("outcome", "reason", "objective before → after", "gain", "duration"):
+    for col in ("outcome", "reason", "objective before → after", "gain", "duration", "stale"):
         table.add_column(col)
     style = {"kept": "green", "rolled_back": "red", "skipped": "yellow"}
     for s in data["steps"]:
         name = s["plugin"] + (" [" + ",".join(f"{k}={v}" for k, v in s["params"].items()) + "]" if s["params"] else "")
         outcome = s["outcome"] or s["state"]
         change = "" if s["before"] is None and s["after"] is None else f"{_num(s['before'])} → {_num(s['after'])}"
-        table.add_row(name, f"[{style.get(outcome, 'cyan')}]{outcome}[/]", s["reason"] or "", change,
+        table.add_row(escape(name), f"[{style.get(outcome, 'cyan')}]{outcome}[/]", s["reason"] or "", change,
                       "" if s["gain"] is None else f"{s['gain']:+.2%}",
-                      "" if s["duration"] is None else f"{s['duration']:.1f}s")
+                      "" if s["duration"] is None else f"{s['duration']:.1f}s",
+                      f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else "")
     return table
 
 
@@ -58,5 +144,5 @@ def runs_table(store: Store) -> Table:
         table.add_column(col)
     for r in store.runs():
         table.add_row(str(r["id"]), r["command"], r["status"], str(r["kept"] or 0), str(r["rolled_back"] or 0),
-                      str(r["skipped"] or 0), r["detail"] or "")
+                      str(r["skipped"] or 0), escape(r["detail"] or ""))
     return table

@@ -140,6 +140,16 @@ class Store:
     def file_rows(self, step_id: int) -> list[dict]:
         return self.query("SELECT * FROM files WHERE step_id = ? ORDER BY id", [step_id])
 
+    def add_files(self, rows: list[dict]) -> None:
+        """File rows whose images are already blobs: the switch steps of re-measurements build them from kept steps."""
+        if rows:
+            self.db["files"].insert_all(rows)
+
+    def swap_images(self, step_id: int) -> None:
+        """Exchange each file row's before and after images; call inside `db.atomic()`."""
+        self.db.execute("UPDATE files SET before = after, before_mode = after_mode, after = before, "
+                        "after_mode = before_mode WHERE step_id = ?", [step_id])
+
     def tree_rows(self, step_id: int) -> list[dict]:
         return self.query("SELECT * FROM trees WHERE step_id = ? ORDER BY id", [step_id])
 
@@ -147,8 +157,9 @@ class Store:
     def deployed(self) -> dict[str, dict]:
         return {r["plugin"]: r for r in self.query("SELECT * FROM deployed ORDER BY kept_at, step_id")}
 
-    def deploy(self, plugin: str, step_id: int, params: dict | None) -> None:
-        self.db["deployed"].upsert(dict(plugin=plugin, step_id=step_id, kept_at=time.time(),
+    def deploy(self, plugin: str, step_id: int, params: dict | None, kept_at: float | None = None) -> None:
+        """`kept_at` keeps a re-judged plugin at its place in the deployment order (rollback goes newest first)."""
+        self.db["deployed"].upsert(dict(plugin=plugin, step_id=step_id, kept_at=kept_at or time.time(),
                                         params=dumps(params or None)), pk="plugin")
 
     def undeploy(self, plugin: str) -> None:
@@ -166,6 +177,12 @@ class Store:
             return self.query("SELECT * FROM measurements WHERE run_id = ? AND step_id IS NULL ORDER BY id",
                               [run_id])
         return self.query("SELECT * FROM measurements WHERE step_id = ? ORDER BY id", [step_id])
+
+    def fingerprint_of(self, step_id: int) -> dict | None:
+        """The environment a step's decision was measured in: its last throughput sample's fingerprint."""
+        rows = self.query("SELECT fingerprint FROM measurements WHERE step_id = ? AND role = 'throughput' "
+                          "AND fingerprint IS NOT NULL ORDER BY id DESC LIMIT 1", [step_id])
+        return loads(rows[0]["fingerprint"]) if rows else None
 
     def add_decision(self, run_id: int, step_id: int, objective: str, decision: dict, vetoes: list[str],
                      policy: dict) -> None:

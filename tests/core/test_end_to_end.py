@@ -90,11 +90,17 @@ def test_hung_probe_and_its_child_are_killed_and_output_kept(ran):
 def test_sequential_mode_measures_the_baseline_once(ran):
     project, _, _ = ran
     db = project.db()
-    arms = db.execute("SELECT arm, COUNT(*) FROM measurements WHERE role = 'throughput' GROUP BY arm").fetchall()
+    arms = db.execute("SELECT arm, COUNT(*) FROM measurements m LEFT JOIN steps s ON s.id = m.step_id "
+                      "WHERE role = 'throughput' AND (s.plugin IS NULL OR s.plugin != '(final)') GROUP BY arm").fetchall()
     # two initial baseline samples, reused; two candidate samples per judged plugin, one each for hangs and segfaults
     assert dict(arms) == {"baseline": 2, "candidate": 2 * 5 + 2}
-    decisions = db.execute("SELECT COUNT(*) FROM decisions").fetchone()[0]
-    assert decisions == 5  # speedup, no-gain, slower, command-step, hook-step
+    decisions = db.execute("SELECT s.plugin FROM decisions d JOIN steps s ON s.id = d.step_id").fetchall()
+    # speedup, no-gain, slower, command-step, hook-step, then the kept stack, re-validated in interleaved pairs
+    assert sorted(r[0] for r in decisions) == sorted(["speedup", "no-gain", "slower", "command-step", "hook-step",
+                                                      "(final)"])
+    final = db.execute("SELECT arm, COUNT(*) FROM measurements m JOIN steps s ON s.id = m.step_id "
+                       "WHERE s.plugin = '(final)' GROUP BY arm").fetchall()
+    assert dict(final) == {"baseline": 2, "candidate": 2}
 
 
 def test_rerun_is_idempotent_then_rollback_all_restores_every_byte(ran):

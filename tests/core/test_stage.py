@@ -26,7 +26,8 @@ def stage(project, reporter=None):
 
 
 def outcomes(store, run_id):
-    return [(s["plugin"], s["outcome"], s["reason"]) for s in store.steps(run_id)]
+    """Plugin steps only: the re-measurements of the kept stack are named in parentheses."""
+    return [(s["plugin"], s["outcome"], s["reason"]) for s in store.steps(run_id) if not s["plugin"].startswith("(")]
 
 
 class TreeWatcher(Reporter):
@@ -90,12 +91,18 @@ def test_interleaved_pairs_alternate_images_until_the_judge_decides(tmp_path, sc
     set_policy(project, interleave=True, min_pairs=2, max_pairs=5)
     store, run_id = stage(project)
     assert outcomes(store, run_id) == [("speedup", "kept", None)]
-    # 3 initial baseline samples (repeats default), then A B A B A B with the files switched each time
+    # 3 initial baseline samples (repeats default), then A B, B A, A B: odd pairs measure the candidate first
     log = (project.path / "probe-log.txt").read_text().split("\n")
-    assert log[:-1] == ["baseline 1"] * 3 + ["speedup 1", "speedup 2"] * 3
-    assert [len(b) for b, _, _ in scripted.seen] == [1, 2, 3]
-    assert scripted.seen[-1][:2] == ([100.0] * 3, [200.0] * 3)
-    assert [final for _, _, final in scripted.seen] == [False, False, False]
+    assert log[:9] == ["baseline 1"] * 3 + ["speedup 1", "speedup 2", "speedup 2", "speedup 1", "speedup 1",
+                                            "speedup 2"]
+    step = store.steps(run_id)[0]["id"]
+    arms = store.query("SELECT arm, repeat FROM measurements WHERE step_id = ? AND role = 'throughput' "
+                       "ORDER BY id", [step])
+    assert [(r["arm"], r["repeat"]) for r in arms] == [("baseline", 0), ("candidate", 0), ("candidate", 1),
+                                                       ("baseline", 1), ("baseline", 2), ("candidate", 2)]
+    assert [len(b) for b, _, _ in scripted.seen[:3]] == [1, 2, 3]
+    assert scripted.seen[2][:2] == ([100.0] * 3, [200.0] * 3)
+    assert [final for _, _, final in scripted.seen[:3]] == [False, False, False]
     row = store.query("SELECT * FROM decisions")[0]
     assert json.loads(row["decision"])["ci_low"] == 0.4 and row["n_candidate"] == 3
     assert (project.target / "app.txt").read_text().startswith("SPEED = 2")
@@ -106,7 +113,30 @@ def test_interleaved_stops_at_max_pairs_with_final(tmp_path, scripted):
     project = make_project(tmp_path / "p", plugins=["speedup"])
     set_policy(project, interleave=True, min_pairs=1, max_pairs=2, repeats=1)
     stage(project)
-    assert [final for _, _, final in scripted.seen] == [False, True]
+    assert [final for _, _, final in scripted.seen[:2]] == [False, True]
+
+
+@pytest.mark.parametrize("decide_at, finals", [(3, [False, False, False]), (99, [False, False, False, True])])
+def test_sequential_adds_candidate_samples_until_the_judge_decides(tmp_path, monkeypatch, decide_at, finals):
+    seen = []
+
+    class CandidateJudge(ScriptedJudge):
+        def decide(self, baseline, candidate, final):
+            seen.append((len(baseline), len(candidate), final))
+            if len(candidate) < decide_at and not final:
+                return None
+            return decide.Decision("keep", 0.5, ci_low=0.4, ci_high=0.6, n_baseline=len(baseline),
+                                   n_candidate=len(candidate), baseline_median=100.0, candidate_median=150.0)
+
+    monkeypatch.setattr(decide, "Judge", CandidateJudge)
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    set_policy(project, interleave=False, rule="stat", repeats=2, min_pairs=2, max_pairs=4)
+    store, run_id = stage(project)
+    assert outcomes(store, run_id) == [("speedup", "kept", None)]
+    # the run's baseline samples are reused; candidate samples are added one at a time
+    assert seen[:len(finals)] == [(2, i + 1, final) for i, final in enumerate(finals)]
+    log = (project.path / "probe-log.txt").read_text().split("\n")[:-1]
+    assert log[:2 + len(finals)] == ["baseline 1"] * 2 + ["speedup 2"] * len(finals)
 
 
 @pytest.mark.parametrize("on_inconclusive, expected", [("rollback", ("rolled_back", "inconclusive")),
@@ -151,7 +181,7 @@ def test_accept_overrides_policy_per_plugin(tmp_path):
 def test_params_stage_every_combination_and_keep_the_best(tmp_path):
     project = make_project(tmp_path / "p", plugins=[], extra=["tune-speed"])
     store, run_id = stage(project)
-    steps = store.steps(run_id)
+    steps = [s for s in store.steps(run_id) if s["plugin"] == "tune-speed"]
     assert [(json.loads(s["params"]), s["outcome"], s["reason"]) for s in steps] == [
         ({"speed": 2}, "rolled_back", "outperformed"),
         ({"speed": 5}, "kept", None),

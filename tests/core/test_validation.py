@@ -170,3 +170,32 @@ def test_missing_plugins_folder_or_target_root_exits_2(tmp_path):
     shutil.rmtree(project.target)
     code, out = invoke(project, "run")
     assert code == 2 and "target.root" in out
+
+
+def test_root_of_another_kind_is_not_validated_where_the_step_does_not_run(tmp_path):
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    folder = project.path / "plugins" / "engine-only"
+    folder.mkdir()
+    (folder / "plugin.yaml").write_text(
+        "id: engine-only\napply:\n  - " + SPEED + "\n"
+        "  - replace: {path: serve.yaml, old: a, new: b}\n    root: workspace\n    target: engine\n")
+    code, out = invoke(project, "plugins", "validate")
+    assert code == 0, out
+    (folder / "plugin.yaml").write_text(
+        "id: engine-only\napply:\n  - " + SPEED + "\n    root: workspace\n    target: [files, engine]\n")
+    code, out = invoke(project, "plugins", "validate")
+    assert code == 2 and "apply.0.root" in out and "unknown root 'workspace'" in out, out
+
+
+def test_rich_markup_in_descriptions_and_notes_is_shown_literally(tmp_path):
+    project = make_project(tmp_path / "p", plugins=[])
+    folder = project.path / "plugins" / "brackets"
+    folder.mkdir()
+    (folder / "plugin.yaml").write_text(
+        "id: brackets\ndescription: 'uses [bold]x[/bold] and [kv-cache]'\n"
+        "applies_if:\n  - contains: {path: app.txt, text: '[not there]'}\napply:\n  - " + SPEED + "\n")
+    code, out = invoke(project, "plan")
+    assert code == 0, out
+    assert "uses [bold]x[/bold] and [kv-cache]" in out and "[not there]" in out, out
+    code, out = invoke(project, "plugins", "list")
+    assert code == 0 and "[kv-cache]" in out, out

@@ -92,7 +92,7 @@ def test_decode_call_site_falls_back_for_unsupported_inputs(patched_v2):
     decode_call(fn, alibi=torch.zeros(4))
     decode_call(fn, kv_cache_dtype="fp8")
     assert native.calls == 2
-    assert shim.paged_attention_v2.failure is None  # unsupported inputs do not disable the kernel
+    assert shim._adapter.failure is None  # unsupported inputs do not disable the kernel
     decode_call(fn)
     assert native.calls == 2
 
@@ -110,7 +110,7 @@ def test_decode_call_site_falls_back_and_stops_trying_after_a_failure(patched_v2
     decode_call(fn)
     decode_call(fn)
     assert native.calls == 2 and len(tries) == 1
-    assert "out of shared memory" in shim.paged_attention_v2.failure
+    assert "out of shared memory" in shim._adapter.failure
 
 
 class FellBack(Exception):

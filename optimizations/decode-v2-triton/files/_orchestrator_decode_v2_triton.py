@@ -4,4 +4,10 @@ from kernels.vllm_adapter import PagedAttentionV2
 
 OP, VARIANT = "paged_decode", "v2_triton"
 
-paged_attention_v2 = PagedAttentionV2(OP, VARIANT)
+_adapter = PagedAttentionV2(OP, VARIANT)
+
+
+def paged_attention_v2(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                       alibi_slopes, kv_cache_dtype, blocksparse_vert_stride):
+    _adapter(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+             alibi_slopes, kv_cache_dtype, blocksparse_vert_stride)
