@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 import signal
@@ -24,8 +25,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Applies, measures and rolls back optimizations of an LLM inference deployment.")
 plugins_app = typer.Typer(no_args_is_help=True, help="List and validate plugins.")
 app.add_typer(plugins_app, name="plugins")
-console = Console()
-err = Console(stderr=True)
+# Piped or logged output (CI, `| tee`) gets wide tables instead of rich's 80-column fallback.
+_WIDTH = None if os.environ.get("COLUMNS") else 160
+console = Console(width=None if Console().is_terminal else _WIDTH)
+err = Console(stderr=True, width=None if Console(stderr=True).is_terminal else _WIDTH)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="orchestrator.yaml (default: ./orchestrator.yaml, else the "
                                                        "embedded default)")
