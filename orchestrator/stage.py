@@ -373,15 +373,19 @@ class Stager:
         self.reporter.phase(plugin.id, f"rollback ({reason})")
         self.store.set_step(step_id, state="rolling_back")
         self.journal.restore(step_id, exact=True)
+        self.undo_steps(plugin, variant, step_id, ctx)
+        self.store.finish_step(step_id, "rolled_back", reason, detail)
+        self.reporter.outcome(plugin.id, "rolled_back", reason, None)
+        return None
+
+    def undo_steps(self, plugin: Plugin, variant: Variant, step_id: int, ctx: StepContext) -> None:
+        """The plugin's own rollback steps, in reverse; a failure is recorded and the rest still run."""
         for step in reversed(variant.rollback):
             if step.runs_on(self.kind):
                 try:
                     undo_step(step, ctx)
                 except StepFailed as e:
                     self.store.event(self.run_id, "rollback_step_failed", f"{plugin.id}: {e}", step_id)
-        self.store.finish_step(step_id, "rolled_back", reason, detail)
-        self.reporter.outcome(plugin.id, "rolled_back", reason, None)
-        return None
 
     # re-measuring the deployment: each comparison is a step whose pre-image is the deployment and whose
     # post-image is the state compared with it, so recovery after a crash anywhere puts the deployment back
@@ -531,13 +535,7 @@ class Stager:
             d.verdict, "inconclusive")
         self.journal.show(step_id, "post")
         variant = next((v for v in plugin.variants if v.params == (params or {})), plugin.variants[0])
-        ctx = self.context(plugin, step_id)
-        for step in reversed(variant.rollback):
-            if step.runs_on(self.kind):
-                try:
-                    undo_step(step, ctx)
-                except StepFailed as e:
-                    self.store.event(self.run_id, "rollback_step_failed", f"{plugin.id}: {e}", step_id)
+        self.undo_steps(plugin, variant, step_id, self.context(plugin, step_id))
         dependents = [p.id for p in self.plugins if plugin.id in p.manifest.requires and p.id in self.store.deployed()]
         with self.store.db.atomic():
             self.store.undeploy(plugin.id)
