@@ -426,13 +426,9 @@ class Stager:
             for f in self.files(sid):
                 first.setdefault((f["root_path"], f["path"]), f)
                 last[(f["root_path"], f["path"])] = f
-        step_id = self.switch_step(FINAL, [(last[k], first[k]) for k in last])
         policy = self.project.policy
-        self.reporter.phase(FINAL, "re-validating the kept stack")
-        try:
-            verdict = self.compare(step_id, policy, FINAL)
-        except ArmFailed as e:
-            self.store.finish_step(step_id, MEASURED, e.reason, str(e))
+        step_id, verdict = self.measure_switch(FINAL, [(last[k], first[k]) for k in last], "re-validating the kept stack")
+        if verdict is None:
             return
         d = verdict.decision
         better = d.verdict == "keep"
@@ -441,6 +437,16 @@ class Stager:
         if not better:
             self.store.event(self.run_id, "warning", f"the kept stack as a whole is not better than the baseline "
                                                      f"({detail}); nothing was rolled back", step_id)
+
+    def measure_switch(self, name: str, images: list[tuple[dict, dict]], phase: str) -> tuple[int, Verdict | None]:
+        """A comparison step of the deployment against another state; None when an arm failed (recorded)."""
+        step_id = self.switch_step(name, images)
+        self.reporter.phase(name, phase)
+        try:
+            return step_id, self.compare(step_id, self.project.policy, name)
+        except ArmFailed as e:
+            self.store.finish_step(step_id, MEASURED, e.reason, str(e))
+            return step_id, None
 
     def clashes(self, step_id: int) -> list[str]:
         """Later kept plugins that changed a file of this step: its pre-images would undo their changes too."""
@@ -466,13 +472,8 @@ class Stager:
                                        f"later kept plugins changed the same files: {'; '.join(clashes)}")
                 self.reporter.outcome(name, MEASURED, "not_separable", None)
                 continue
-            files = self.files(sid)
-            step_id = self.switch_step(name, [(f, f) for f in files])
-            self.reporter.phase(name, "leave-one-out")
-            try:
-                verdict = self.compare(step_id, policy, name)
-            except ArmFailed as e:
-                self.store.finish_step(step_id, MEASURED, e.reason, str(e))
+            step_id, verdict = self.measure_switch(name, [(f, f) for f in self.files(sid)], "leave-one-out")
+            if verdict is None:
                 continue
             self.record(step_id, verdict, policy, MEASURED, None,
                         f"contribution of {plugin_id} to the stack: {self._describe(verdict.decision)}")
