@@ -29,8 +29,8 @@ def report(seqs: int, tokens: int, per_token: int, available: float, where: str)
 def kv_cache_fits_engine(root: Path, serve_config: str, seqs: int, tokens: int) -> bool:
     """The engine's serve config: cache memory as the engine itself will size it."""
     import torch
-    from kernels.engine.config import load_config
-    from kernels.engine.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY
+    from engine.config import load_config
+    from engine.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY
 
     cfg = load_config(root / serve_config)
     element = torch.empty((), dtype=cfg.torch_dtype()).element_size()

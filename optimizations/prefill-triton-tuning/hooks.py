@@ -8,7 +8,7 @@ from pathlib import Path
 
 def triton_prefill_in_use(root: Path, serve_config: str) -> bool:
     import kernels
-    from kernels.engine.config import load_config
+    from engine.config import load_config
 
     config = load_config(Path(root) / serve_config)
     listed = "triton" in config.chain("attention-prefill")

@@ -25,8 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kernels.engine.config import KERNEL_KEYS, ConfigError, EngineConfig, load_config
-from kernels.engine.llm import LLM
+from engine.config import KERNEL_KEYS, ConfigError, EngineConfig, load_config
+from engine.llm import LLM
 
 FORMAT = 1
 # Short prompts decode on attention-decode; long ones cross v2's 512-token partitions and the

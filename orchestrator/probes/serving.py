@@ -4,7 +4,7 @@ against it and prints `vllm bench serve`'s result fields plus the deployment's w
     python -m orchestrator.probes.serving [--server-cmd CMD | --base-url URL | --import-result FILE]
 
 Without ``--server-cmd`` or ``--base-url`` it serves ``$ORCHESTRATOR_TARGET_ROOT/serve.yaml`` with
-``python -m kernels.engine.serve``. The server runs in its own process group and that group is
+``python -m engine.server``. The server runs in its own process group and that group is
 always stopped, on success, on error and on SIGTERM. The last stdout line is one JSON object
 (probe protocol); a failure exits 1 with a JSON object holding ``error``.
 """
@@ -438,8 +438,9 @@ def server_argv(args: argparse.Namespace) -> list[str]:
             raise ProbeError("no server given: pass --server-cmd, --base-url or --serve-config, "
                              "or set ORCHESTRATOR_TARGET_ROOT")
         config = str(Path(root) / "serve.yaml")
-    return [sys.executable, "-m", "kernels.engine.serve", "--config", config,
-            "--host", args.host, "--port", str(args.port)]
+    from orchestrator.targets.engine import server_argv as engine_server_argv
+
+    return engine_server_argv(config, args.host, args.port)
 
 
 async def benchmark(base_url: str, args: argparse.Namespace, server: ServerProcess | None) -> dict:

@@ -6,7 +6,9 @@ and dtype of the config applied, so that the same plugins run on a laptop (`tiny
 """
 from __future__ import annotations
 
+import importlib.resources
 import io
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,7 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from orchestrator.loading import ConfigError
 from orchestrator.targets.base import Target, TargetConfig
 
-SHIPPED_BASELINE = Path(__file__).resolve().parents[2] / "kernels" / "engine" / "configs" / "baseline.yaml"
+SERVER_MODULE = "engine.server"  # `python -m engine.server --config FILE --host H --port P`
+
+
+def shipped_baseline() -> Path:
+    """The seed deployment's serve config, shipped inside the engine package."""
+    return Path(str(importlib.resources.files("engine").joinpath("configs", "baseline.yaml")))
+
+
+def server_argv(config: str, host: str, port: int) -> list[str]:
+    """The engine's OpenAI-compatible server serving ``config``."""
+    return [sys.executable, "-m", SERVER_MODULE, "--config", config, "--host", host, "--port", str(port)]
 SERVE_CONFIG = "serve.yaml"
 
 
@@ -76,7 +88,7 @@ class EngineTarget(Target):
         if serve.exists():
             self._check_matches(serve)
             return
-        baseline = self.resolve(self.config.baseline) if self.config.baseline else SHIPPED_BASELINE
+        baseline = self.resolve(self.config.baseline) if self.config.baseline else shipped_baseline()
         try:
             text = baseline.read_text(encoding="utf-8")
         except OSError as exc:
@@ -139,7 +151,7 @@ def _set_keys(text: str, values: dict[str, Any]) -> str:
 
 
 def _validate(path: Path, field: str) -> None:
-    from kernels.engine.config import ConfigError as EngineConfigError, load_config
+    from engine.config import ConfigError as EngineConfigError, load_config
 
     try:
         load_config(path)

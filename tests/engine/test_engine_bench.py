@@ -3,10 +3,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.engine import bench
+from engine import bench
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "kernels" / "engine" / "configs"
+CONFIGS = ROOT / "engine" / "configs"
 SMALL = ["--num-prompts", "6", "--input-len", "40", "--prefix-len", "32", "--num-prefixes", "2", "--output-len", "3"]
 
 
@@ -31,7 +31,7 @@ def test_two_configs_side_by_side_with_json_last(capsys):
 def test_a_bad_config_is_named_and_nothing_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("max-num-seqs: 0\n")
-    proc = subprocess.run([sys.executable, "-m", "kernels.engine.bench", "--config", str(CONFIGS / "baseline.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "engine.bench", "--config", str(CONFIGS / "baseline.yaml"),
                            "--config", str(bad), *SMALL], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"{bad}: max-num-seqs:" in proc.stderr

@@ -1,5 +1,5 @@
-from kernels.engine.block_manager import BlockManager, hash_block
-from kernels.engine.sequence import Sequence
+from engine.block_manager import BlockManager, hash_block
+from engine.sequence import Sequence
 
 
 def seq(tokens, rid="r"):

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from kernels.engine.config import ConfigError, load_config
-from kernels.engine.model_config import PRESETS
+from engine.config import ConfigError, load_config
+from engine.model_config import PRESETS
 
-CONFIGS = Path(__file__).resolve().parents[2] / "kernels" / "engine" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "engine" / "configs"
 
 
 def write(tmp_path, text, name="serve.yaml"):

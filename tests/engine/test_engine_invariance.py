@@ -7,7 +7,7 @@ import torch
 import kernels
 from engine_helpers import tiny
 from engine_dense_reference import forward
-from kernels.engine import LLM
+from engine import LLM
 
 MAX_TOKENS = 20
 BLOCK = 16

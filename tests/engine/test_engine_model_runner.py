@@ -1,12 +1,12 @@
 import torch
 
 from engine_helpers import tiny
-from kernels.engine.config import load_config
-from kernels.engine.layers.attention import write_kv
-from kernels.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from kernels.engine.model_runner import ModelRunner
-from kernels.engine.scheduler import ScheduledSeq
-from kernels.engine.sequence import Sequence
+from engine.config import load_config
+from engine.layers.attention import write_kv
+from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from kernels.paged import gather_native
 
 

@@ -1,6 +1,6 @@
-from kernels.engine.block_manager import BlockManager
-from kernels.engine.scheduler import Scheduler
-from kernels.engine.sequence import Sequence, SequenceStatus
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, max_tokens=64, prefix=True):

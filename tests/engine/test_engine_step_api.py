@@ -7,9 +7,9 @@ import pytest
 
 import kernels
 from engine_helpers import tiny
-from kernels.engine import LLM
-from kernels.engine.config import ConfigError
-from kernels.engine.llm_engine import LLMEngine, StepOutput
+from engine import LLM
+from engine.config import ConfigError
+from engine.llm_engine import LLMEngine, StepOutput
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def _fake_variants(monkeypatch):
 
 def test_a_fallback_chain_uses_the_first_variant_that_passes_its_self_check(monkeypatch, caplog):
     _fake_variants(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="kernels.engine"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         engine = LLMEngine(tiny(**{"attention-decode": ["crashes", "wrong", "v2", "v1"],
                                    "attention-decode-long": "v1"}))
     assert engine.kernel_choice["attention-decode"] == "v2"
@@ -122,7 +122,7 @@ def test_a_cache_smaller_than_one_sequence_is_a_config_error():
 
 
 def test_tokenizer_round_trips_text():
-    from kernels.engine import tokenizer
+    from engine import tokenizer
 
     text = "héllo, wörld ✓"
     assert tokenizer.decode(tokenizer.encode(text)) == text

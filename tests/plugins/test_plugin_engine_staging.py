@@ -16,11 +16,11 @@ from pathlib import Path
 
 import yaml
 
-from kernels.engine.config import load_config
+from engine.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIMIZATIONS = REPO / "optimizations"
-CONFIGS = REPO / "kernels" / "engine" / "configs"
+CONFIGS = REPO / "engine" / "configs"
 
 PROBE = """
 import json, os, pathlib, yaml

@@ -82,7 +82,7 @@ def test_vllm_not_verifiable_says_why(tmp_path, serve, why):
 
 
 def test_engine_check_reads_the_workspace_serve_config(tmp_path):
-    baseline = (REPO / "kernels" / "engine" / "configs" / "baseline.yaml").read_text()
+    baseline = (REPO / "engine" / "configs" / "baseline.yaml").read_text()
     # tiny preset on the CPU: 2 x 2 layers x 2 kv heads x 32 x 4 bytes = 1 KiB per token -> 512 MiB needed
     (tmp_path / "serve.yaml").write_text(baseline + "device: cpu\nkv-cache-memory: 600000000\n")
     fits = hook(tmp_path, "kv_cache_fits_engine")

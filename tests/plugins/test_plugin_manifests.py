@@ -9,13 +9,13 @@ import pytest
 import yaml
 
 import kernels
-from kernels.engine.config import KERNEL_KEYS, load_config
+from engine.config import KERNEL_KEYS, load_config
 from orchestrator.plugin import load_all
 from orchestrator.steps import StepContext, compute
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIMIZATIONS = REPO / "optimizations"
-CONFIGS = REPO / "kernels" / "engine" / "configs"
+CONFIGS = REPO / "engine" / "configs"
 
 SHIPPED = {
     "max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095",              # the seed's serve config

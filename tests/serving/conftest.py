@@ -24,7 +24,7 @@ def tiny_config(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llm(tiny_config):
     """The offline engine on the same config: what the server's answers must equal."""
-    from kernels.engine import LLM
+    from engine import LLM
 
     return LLM(str(tiny_config))
 

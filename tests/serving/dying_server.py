@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from kernels.engine import serve
+from engine import server as serve
 
 LIMIT = int(sys.argv[1])
 build_app = serve.build_app

@@ -79,7 +79,7 @@ def start_server(config: Path, *extra: str):
     from orchestrator.probes.serving import ServerProcess, free_port, wait_healthy
 
     port = free_port()
-    server = ServerProcess([PY, "-m", "kernels.engine.serve", "--config", str(config),
+    server = ServerProcess([PY, "-m", "engine.server", "--config", str(config),
                             "--port", str(port), *extra])
     try:
         asyncio.run(wait_healthy(f"http://127.0.0.1:{port}", 120, server))

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from serving_support import PY, REPO, env, last_json, write_config
-from kernels.engine.config import load_config
+from engine.config import load_config
 from orchestrator.probes import engine_correct
 
 CONFIG = """\

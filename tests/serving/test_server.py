@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving_support import PY, env, start_server, write_config
-from kernels.engine import tokenizer
+from engine import tokenizer
 
 
 def complete(url: str, **body) -> httpx.Response:
@@ -251,7 +251,7 @@ def test_sigterm_lets_a_running_request_finish_then_exits(tmp_path, llm):
 
 def test_bad_config_exits_2_naming_file_and_key(tmp_path):
     config = write_config(tmp_path, "model: tiny\nmax-num-seqs: many\n")
-    proc = subprocess.run([PY, "-m", "kernels.engine.serve", "--config", str(config), "--port", "1"],
+    proc = subprocess.run([PY, "-m", "engine.server", "--config", str(config), "--port", "1"],
                           capture_output=True, text=True, timeout=120, env=env())
     assert proc.returncode == 2
     assert f"{config}: max-num-seqs" in proc.stderr
@@ -260,8 +260,8 @@ def test_bad_config_exits_2_naming_file_and_key(tmp_path):
 def test_engine_failure_answers_500_then_health_turns_503(wrong_kernels):
     """A kernel that crashes mid-step takes the engine loop down: the request in flight gets a
     500 naming the error, and the server says it is unhealthy instead of hanging."""
-    from kernels.engine.llm_engine import LLMEngine
-    from kernels.engine.serve import Limits, build_app
+    from engine.llm_engine import LLMEngine
+    from engine.server import Limits, build_app
 
     engine = LLMEngine({"model": "tiny", "device": "cpu", "dtype": "float32", "kv-cache-memory": 1 << 24,
                         "attention-decode-long": "crash", "decode-long-threshold": 100})

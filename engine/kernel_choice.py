@@ -14,10 +14,10 @@ import torch
 
 import kernels
 from kernels import inputs
-from kernels.engine.config import KERNEL_KEYS, EngineConfig
-from kernels.engine.model_config import ModelConfig
+from engine.config import KERNEL_KEYS, EngineConfig
+from engine.model_config import ModelConfig
 
-log = logging.getLogger("kernels.engine")
+log = logging.getLogger("engine")
 
 # relative error allowed against the reference, by the dtype the engine runs in
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}

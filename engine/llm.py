@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kernels.engine.config import EngineConfig
-from kernels.engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 
 
 class LLM:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.engine.kernel_choice import Kernels
+from engine.kernel_choice import Kernels
 
 
 class SparseMoeBlock(nn.Module):

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernels.engine.block_manager import BlockManager
-from kernels.engine.config import EngineConfig, load_config
-from kernels.engine.model_runner import ModelRunner
-from kernels.engine.scheduler import Scheduler
-from kernels.engine.sequence import Sequence
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, load_config
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server for the reference engine, so the serving probe can measure it
 exactly as it measures ``vllm serve``.
 
-    python -m kernels.engine.serve --config SERVE.yaml --host 127.0.0.1 --port 8000
+    python -m engine.server --config SERVE.yaml --host 127.0.0.1 --port 8000
 
 One thread owns the ``LLMEngine`` and runs its step loop: the engine is not thread-safe, and one
 loop is what lets concurrent requests share a continuous batch. Each HTTP request gets an asyncio
@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry, Histogram, disable_created_metr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from kernels.engine import tokenizer
-from kernels.engine.config import ConfigError, load_config
-from kernels.engine.llm_engine import LLMEngine
+from engine import tokenizer
+from engine.config import ConfigError, load_config
+from engine.llm_engine import LLMEngine
 
 # engine.stats key -> (vLLM counter name without _total, help text)
 STAT_COUNTERS = {
@@ -332,7 +332,7 @@ def build_app(engine: Any, tokenizer: Any, limits: Limits) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": limits.model_name, "object": "model", "created": 0, "owned_by": "kernels.engine",
+            "id": limits.model_name, "object": "model", "created": 0, "owned_by": "engine",
             "root": limits.model_name, "max_model_len": limits.max_model_len}]}
 
     @app.get("/metrics")
@@ -426,7 +426,7 @@ def build_app(engine: Any, tokenizer: Any, limits: Limits) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.engine.serve",
+    parser = argparse.ArgumentParser(prog="python -m engine.server",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="serve config (YAML) of the engine")
     parser.add_argument("--host", default="127.0.0.1")
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     limits = Limits(args.served_model_name or config.model, config.max_model_len, config.vocab_size)
     disable_created_metrics()  # vLLM exposes no *_created series either
-    logging.getLogger("kernels.engine").info("serving %s on http://%s:%d", limits.model_name,
+    logging.getLogger("engine").info("serving %s on http://%s:%d", limits.model_name,
                                              args.host, args.port)
     uvicorn.run(build_app(engine, tokenizer, limits), host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)

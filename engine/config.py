@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 import kernels
-from kernels.engine.model_config import ModelConfig, ModelConfigError, resolve_model
+from engine.model_config import ModelConfig, ModelConfigError, resolve_model
 
 # serve-config key -> kernel op it selects
 KERNEL_KEYS = {

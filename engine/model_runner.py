@@ -7,16 +7,16 @@ import logging
 
 import torch
 
-from kernels.engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
-from kernels.engine.config import EngineConfig
-from kernels.engine.kernel_choice import select_kernels
-from kernels.engine.layers.attention import PagedAttention
-from kernels.engine.layers.sampler import greedy
-from kernels.engine.models.qwen3_moe import Qwen3MoeForCausalLM
-from kernels.engine.scheduler import ScheduledSeq
-from kernels.engine.sequence import Sequence
+from engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
+from engine.config import EngineConfig
+from engine.kernel_choice import select_kernels
+from engine.layers.attention import PagedAttention
+from engine.layers.sampler import greedy
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 
-log = logging.getLogger("kernels.engine")
+log = logging.getLogger("engine")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # without ``kv-cache-memory`` and without a GPU to measure
 GIB = float(1 << 30)

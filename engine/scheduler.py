@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kernels.engine.block_manager import BlockManager
-from kernels.engine.sequence import Sequence, SequenceStatus
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.engine.attention_metadata import AttentionMetadata
-from kernels.engine.kernel_choice import Kernels
+from engine.attention_metadata import AttentionMetadata
+from engine.kernel_choice import Kernels
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -10,7 +10,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kernels.engine.sequence import Sequence
+from engine.sequence import Sequence
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.engine.attention_metadata import AttentionMetadata
-from kernels.engine.kernel_choice import Kernels
-from kernels.engine.layers.attention import PagedAttention
-from kernels.engine.layers.layernorm import RMSNorm
-from kernels.engine.layers.moe import SparseMoeBlock
-from kernels.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from kernels.engine.model_config import ModelConfig
+from engine.attention_metadata import AttentionMetadata
+from engine.kernel_choice import Kernels
+from engine.layers.attention import PagedAttention
+from engine.layers.layernorm import RMSNorm
+from engine.layers.moe import SparseMoeBlock
+from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from engine.model_config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -1,7 +1,7 @@
 """Offline throughput of the engine under one or more serve configs, side by side in one run.
 
-    python -m kernels.engine.bench --config kernels/engine/configs/baseline.yaml \\
-        --config kernels/engine/configs/optimized.yaml [--set num-layers=8 ...]
+    python -m engine.bench --config engine/configs/baseline.yaml \\
+        --config engine/configs/optimized.yaml [--set num-layers=8 ...]
 
 Every config serves the same fixed, seeded workload: prompts built from a few shared prefixes (so
 prefix caching has something to find) plus random suffixes, all submitted at once. Reported per
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import yaml
 
-from kernels.engine.config import ConfigError, EngineConfig, load_config
-from kernels.engine.llm_engine import LLMEngine
+from engine.config import ConfigError, EngineConfig, load_config
+from engine.llm_engine import LLMEngine
 
 WEIGHTS = {"output_tok_s": 16.796, "input_tok_s": 2.799, "cached_tok_s": 0.56}
 
@@ -117,7 +117,7 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.engine.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", required=True, help="serve config YAML (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a serve-config key in every config (repeatable)")

@@ -1,4 +1,4 @@
 """A compact paged-KV, continuous-batching MoE engine running the project's kernels."""
-from kernels.engine.llm import LLM
+from engine.llm import LLM
 
 __all__ = ["LLM"]
