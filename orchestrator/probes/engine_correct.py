@@ -70,7 +70,7 @@ def record(config: EngineConfig, path: Path) -> dict:
     ref_config = fit(config, prompts, MAX_TOKENS,
                      **{key.replace("-", "_"): "reference" for key in KERNEL_KEYS})
     reference = {"format": FORMAT, **identity(config), "max_tokens": MAX_TOKENS,
-                 "prompts": prompts, "outputs": LLM(ref_config).generate(prompts, MAX_TOKENS)}
+                 "prompts": prompts, "outputs": generate(ref_config, prompts, MAX_TOKENS)[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -111,32 +111,37 @@ def compare(expected: list[list[int]], got: list[list[int]], early_tokens: int) 
             "early_divergence_fraction": sum(f < early_tokens for f in first) / len(first)}
 
 
+def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
+    """Greedy completions and the kernels chosen, from an engine that is freed before this returns:
+    at most one engine holds the card at a time, whatever the probe does next."""
+    with LLM(config) as llm:
+        return llm.generate(prompts, max_tokens), dict(llm.kernel_choice)
+
+
 class KernelChecks:
-    """``python -m kernels.check`` for each distinct (op, variant) the engine runs, started as soon
-    as the engine has chosen its kernels, so that they run while it generates."""
+    """``python -m kernels.check`` for each distinct (op, variant) the engine ran, in parallel
+    processes, started only once no engine of this probe holds the device (each check then has the
+    card's memory to itself and the engine's KV cache reservation cannot starve it)."""
 
     def __init__(self, config: EngineConfig, mode: str):
         self.device = config.torch_device().type
         self.dtype = str(config.torch_dtype()).removeprefix("torch.")
         self.small = mode == "small" or (mode == "auto" and self.device == "cpu")
-        self._procs: dict[tuple[str, str], subprocess.Popen] = {}
 
-    def start(self, choice: dict[str, str]) -> None:
-        for op, variant in sorted({(KERNEL_KEYS[k], v) for k, v in choice.items() if v != "reference"}):
-            if (op, variant) not in self._procs:
+    def run(self, choice: dict[str, str]) -> list[dict]:
+        procs: dict[tuple[str, str], subprocess.Popen] = {}
+        try:
+            for op, variant in sorted({(KERNEL_KEYS[k], v) for k, v in choice.items() if v != "reference"}):
                 argv = [sys.executable, "-m", "kernels.check", "--op", op, "--variant", variant,
                         "--device", self.device, "--dtype", self.dtype, *(["--small"] if self.small else [])]
-                self._procs[op, variant] = subprocess.Popen(argv, stdout=subprocess.PIPE,
-                                                            stderr=subprocess.PIPE, text=True)
-
-    def results(self) -> list[dict]:
-        return [self._result(op, variant, proc) for (op, variant), proc in self._procs.items()]
-
-    def kill(self) -> None:
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+                procs[op, variant] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                      text=True)
+            return [self._result(op, variant, proc) for (op, variant), proc in procs.items()]
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
 
     @staticmethod
     def _result(op: str, variant: str, proc: subprocess.Popen) -> dict:
@@ -172,26 +177,20 @@ def judge(reference: dict, config: EngineConfig, args: argparse.Namespace) -> di
         passes["long_decode"] = fit(config, prompts, max_tokens, decode_long_threshold=LONG_SPLIT)
     result: dict = {"mode": "exact" if exact else "agreement", "passes": {}}
     choice: dict[str, str] = {}
-    checks = KernelChecks(config, args.kernel_checks)
-    try:
-        for name, cfg in passes.items():
-            try:
-                llm = LLM(cfg)
-                if args.kernel_checks != "none":
-                    checks.start(llm.kernel_choice)
-                outputs = llm.generate(prompts, max_tokens)
-            except ConfigError:
-                raise
-            except Exception as exc:  # a crashing kernel is an incorrect candidate, not a probe bug
-                raise ProbeFailure(f"{name}: the engine failed: {type(exc).__name__}: {exc}") from None
-            choice.update(llm.kernel_choice)
-            cmp = compare(reference["outputs"], outputs, args.early_tokens)
-            cmp["passed"] = cmp["exact"] if exact else cmp["early_divergence_fraction"] <= args.max_early_fraction
-            result["passes"][name] = cmp
-        result["kernels"] = choice
-        result["kernel_checks"] = checks.results()
-    finally:
-        checks.kill()
+    for name, cfg in passes.items():
+        try:
+            outputs, chosen = generate(cfg, prompts, max_tokens)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a crashing kernel is an incorrect candidate, not a probe bug
+            raise ProbeFailure(f"{name}: the engine failed: {type(exc).__name__}: {exc}") from None
+        choice.update(chosen)
+        cmp = compare(reference["outputs"], outputs, args.early_tokens)
+        cmp["passed"] = cmp["exact"] if exact else cmp["early_divergence_fraction"] <= args.max_early_fraction
+        result["passes"][name] = cmp
+    result["kernels"] = choice
+    result["kernel_checks"] = ([] if args.kernel_checks == "none"
+                               else KernelChecks(config, args.kernel_checks).run(choice))
     failed = _failures(result, exact, args)
     result["passed"] = not failed
     if failed:
