@@ -17,7 +17,7 @@ def _command_line(pid: int) -> str:
         return "?"
 
 
-def _from_nvml(index: int) -> list[tuple[int, int]] | None:
+def _from_nvml(index: int | None) -> list[tuple[int, int]] | None:
     try:
         import pynvml
     except ImportError:
@@ -25,20 +25,21 @@ def _from_nvml(index: int) -> list[tuple[int, int]] | None:
     try:
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            return [(p.pid, int(p.usedGpuMemory or 0)) for p in procs]
+            indices = [index] if index is not None else range(pynvml.nvmlDeviceGetCount())
+            return [(p.pid, int(p.usedGpuMemory or 0)) for i in indices
+                    for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))]
         finally:
             pynvml.nvmlShutdown()
     except pynvml.NVMLError:
         return None
 
 
-def _from_nvidia_smi(index: int) -> list[tuple[int, int]] | None:
+def _from_nvidia_smi(index: int | None) -> list[tuple[int, int]] | None:
     if shutil.which("nvidia-smi") is None:
         return None
+    which = ["-i", str(index)] if index is not None else []
     try:
-        out = subprocess.run(["nvidia-smi", "-i", str(index), "--query-compute-apps=pid,used_memory",
+        out = subprocess.run(["nvidia-smi", *which, "--query-compute-apps=pid,used_memory",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -52,9 +53,9 @@ def _from_nvidia_smi(index: int) -> list[tuple[int, int]] | None:
     return found
 
 
-def holders(index: int) -> list[tuple[int, int, str]]:
-    """(pid, bytes, command line) of each process with memory on GPU ``index``, largest first;
-    empty when neither NVML nor nvidia-smi can tell."""
+def holders(index: int | None) -> list[tuple[int, int, str]]:
+    """(pid, bytes, command line) of each process with memory on GPU ``index`` (every GPU: None),
+    largest first; empty when neither NVML nor nvidia-smi can tell."""
     procs = _from_nvml(index)
     if procs is None:
         procs = _from_nvidia_smi(index) or []
@@ -69,3 +70,16 @@ def describe_holders(index: int, own_pid: int | None = None) -> str:
     parts = [f"pid {pid}{' (this process)' if pid == own_pid else ''} {used / GIB:.1f} GiB: {cmd}"
              for pid, used, cmd in found]
     return "processes holding it: " + "; ".join(parts)
+
+
+def wait_released(pids: set[int], timeout: float) -> set[int]:
+    """Wait until none of ``pids`` holds memory on any GPU (the driver frees a process's memory a
+    little after it exits); returns those still listed at the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {pid for pid, _, _ in holders(None)} & pids
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -78,6 +79,7 @@ class ServerProcess:
             os.unlink(self.log.name)
             raise ProbeError(f"cannot start server command {shlex.join(argv)}: {exc}") from None
         self.pgid = self.proc.pid
+        self.leftover: list[int] = []
         print(f"serving probe: started {shlex.join(argv)} as pid {self.pgid} (its own process group)",
               file=sys.stderr, flush=True)
 
@@ -99,6 +101,7 @@ class ServerProcess:
             signal.signal(signal.SIGTERM, previous)
 
     def _stop(self) -> None:
+        watched = {self.pgid, *self.members()}
         for sig, wait in ((signal.SIGTERM, self.stop_timeout), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.pgid, sig)
@@ -113,8 +116,32 @@ class ServerProcess:
         deadline = time.monotonic() + 10
         while self.members() and time.monotonic() < deadline:
             time.sleep(0.05)
+        self.leftover = self.members()
+        if self.leftover:
+            print(f"serving probe: server processes {self.leftover} outlived SIGKILL", file=sys.stderr)
+        else:  # return only once the next server (or engine) can have the card's memory
+            from engine.gpu_memory import wait_released
+
+            if held := wait_released(watched, 30.0):
+                print(f"serving probe: processes {sorted(held)} still hold GPU memory 30 s after exiting",
+                      file=sys.stderr)
         self.log.close()
         os.unlink(self.log.name)
+
+    def cpu_seconds(self) -> float | None:
+        """User plus system CPU time of every live process in the server's group so far; None
+        once the server is gone. On a shared machine this counts only the time the server really
+        ran, which other processes' load does not stretch as it stretches wall time."""
+        if self.exited() is not None:
+            return None
+        total = 0.0
+        for pid in self.members():
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
 
     def members(self) -> list[int]:
         pids = []
@@ -258,9 +285,10 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     return out
 
 
-async def drive(base_url: str, model: str, workload: Workload,
-                request_timeout: float) -> tuple[list[Outcome], float]:
-    """Sends the whole workload and returns each request's outcome and the wall time."""
+async def drive(base_url: str, model: str, workload: Workload, request_timeout: float,
+                cpu_clock: Callable[[], float | None] = lambda: None) -> tuple[list[Outcome], float, float | None]:
+    """Sends the whole workload; returns each request's outcome, the wall time and the CPU seconds
+    ``cpu_clock`` advanced over that same window (None when it cannot tell)."""
     url = f"{base_url}/v1/completions"
     requests, delays = workload.requests(), workload.delays()
     limit = workload.max_concurrency or len(requests)
@@ -270,6 +298,7 @@ async def drive(base_url: str, model: str, workload: Workload,
         first = await send(client, url, model, *requests[0])
         if not first.success:
             raise ProbeError(f"the initial test request failed: {first.error}")
+        cpu_start = cpu_clock()
         start = time.perf_counter()
 
         async def one(delay: float, prompt: list[int], max_tokens: int) -> Outcome:
@@ -278,7 +307,9 @@ async def drive(base_url: str, model: str, workload: Workload,
                 return await send(client, url, model, prompt, max_tokens)
 
         outcomes = await asyncio.gather(*(one(d, *r) for d, r in zip(delays, requests)))
-        return list(outcomes), time.perf_counter() - start
+        duration, cpu_end = time.perf_counter() - start, cpu_clock()
+        cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
+        return list(outcomes), duration, cpu
 
 
 async def prefix_cache_hits(base_url: str) -> float | None:
@@ -323,6 +354,19 @@ def with_score(result: dict, cached_tokens: float, weights: tuple[float, float, 
     result["score_weights"] = {"output": w_out, "input": w_in, "cached": w_cached}
     result["score"] = (w_out * result["output_throughput"] + w_in * result["input_throughput"]
                        + w_cached * result["cached_throughput"])
+    return result
+
+
+def with_cpu(result: dict, cpu_seconds: float | None) -> dict:
+    """Adds the server's CPU seconds over the measured window and throughput per CPU second:
+    ``cpu_score`` is the score's weighted tokens over CPU seconds instead of wall seconds."""
+    if cpu_seconds is None or cpu_seconds <= 0:
+        return result
+    per_cpu = result["duration"] / cpu_seconds
+    result["server_cpu_seconds"] = cpu_seconds
+    result["cpu_utilization"] = cpu_seconds / result["duration"]
+    result["output_tokens_per_cpu_second"] = result["output_throughput"] * per_cpu
+    result["cpu_score"] = result["score"] * per_cpu
     return result
 
 
@@ -450,7 +494,8 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: ServerProce
                         args.shared_prefix_fraction, *args.token_id_range, args.request_rate,
                         args.max_concurrency, args.seed)
     hits_before = await prefix_cache_hits(base_url)
-    outcomes, duration = await drive(base_url, model, workload, args.request_timeout)
+    outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout,
+                                          server.cpu_seconds if server is not None else lambda: None)
     ok = [o for o in outcomes if o.success]
     if ok and all(o.cached_tokens is not None for o in ok):
         cached, source = sum(o.cached_tokens for o in ok), "usage"
@@ -468,7 +513,7 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: ServerProce
                    "seed": workload.seed, "cached_tokens_source": source})
     if server is not None and (code := server.exited()) is not None:
         result["server_exit_code"] = code
-    return with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight))
+    return with_cpu(with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight)), cpu)
 
 
 def run(args: argparse.Namespace) -> dict:

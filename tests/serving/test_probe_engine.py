@@ -39,6 +39,11 @@ def test_probe_serves_the_target_config_and_scores_it(tmp_path):
     assert out["score"] == pytest.approx(16.796 * out["output_throughput"] + 2.799 * out["input_throughput"]
                                          + 0.56 * out["cached_throughput"])
     assert out["mean_ttft_ms"] > 0 and out["mean_itl_ms"] > 0
+    # the server's own CPU time over the same window: the CPU objective divides the same weighted
+    # tokens by it instead of by wall time
+    assert 0 < out["server_cpu_seconds"] and out["cpu_utilization"] == pytest.approx(out["server_cpu_seconds"] / d)
+    assert out["cpu_score"] == pytest.approx(out["score"] * d / out["server_cpu_seconds"])
+    assert out["output_tokens_per_cpu_second"] == pytest.approx(48 / out["server_cpu_seconds"])
     assert alive_with(str(root)) == []
 
 
