@@ -167,11 +167,11 @@ def status(config: Optional[Path] = ConfigOpt,
            runs: bool = typer.Option(False, "--runs", help="list all runs")) -> None:
     """Outcomes of the latest run (works while a run is going)."""
     from orchestrator.status import runs_table, status_data
-    from orchestrator.store import Store
+    from orchestrator.store import Reader
     project = _project(config)
     if not project.db_path.exists():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Store(project.db_path, readonly=True)
+    store = Reader(project.db_path)
     if runs:
         if json_out:
             print(json.dumps(store.runs(), indent=1, default=str))
@@ -201,12 +201,12 @@ def show_status(data: dict) -> None:
 def plan(config: Optional[Path] = ConfigOpt) -> None:
     """The ordered plan, preconditions and the diff each plugin would make. Changes nothing."""
     from orchestrator.plan import build_plan
-    from orchestrator.store import Store
+    from orchestrator.store import Reader
     project = _project(config)
     plugins = _plugins(project)
     kept: set[str] = set()
     if project.db_path.exists():
-        store = Store(project.db_path, readonly=True)
+        store = Reader(project.db_path)
         kept = set(store.deployed())
     for root in dict.fromkeys(project.target.roots.values()):
         if not root.exists():
@@ -346,11 +346,11 @@ def report(config: Optional[Path] = ConfigOpt,
         from orchestrator.report import write_report
     except ImportError as e:
         raise UserError(f"reports are not available in this installation (orchestrator.report: {e})")
-    from orchestrator.store import Store
+    from orchestrator.store import Reader
     project = _project(config)
     if not project.db_path.exists():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Store(project.db_path, readonly=True)
+    store = Reader(project.db_path)
     run_row = store.run(run_id) if run_id is not None else store.run()
     if run_row is None:
         raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
 from orchestrator.status import FINAL, environment
-from orchestrator.store import Store, loads
+from orchestrator.store import Reader, loads
 
 
 class ReportError(LookupError):
@@ -67,7 +67,7 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
     """The run row, the run-level baseline samples, the stages and the objective's name."""
     if not Path(db_path).is_file():
         raise ReportError(f"{db_path}: no such database")
-    store = Store(Path(db_path), readonly=True)
+    store = Reader(Path(db_path))
     try:
         run = store.run(run_id)
         if run is None:

@@ -75,7 +75,7 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
                         store.event(run_id, "rollback_step_failed", f"{row['plugin']}: {e}", step_id)
         else:
             store.event(run_id, "warning", f"{row['plugin']}: plugin folder gone; only files restored", step_id)
-        with store.db.atomic():
+        with store.transaction():
             store.undeploy(row["plugin"])
             store.finish_step(step_id, "rolled_back", "requested", f"undid step {kept_step} "
                                                                    f"(run {store.step(kept_step)['run_id']})")

@@ -353,7 +353,7 @@ class Stager:
 
     def keep(self, plugin: Plugin, verdict: Verdict, reason: str | None = None) -> None:
         step = self.store.step(verdict.step_id)
-        with self.store.db.atomic():
+        with self.store.transaction():
             self.store.deploy(plugin.id, verdict.step_id, loads(step["params"]))
             self.store.finish_step(verdict.step_id, "kept", reason,
                                    self._describe(verdict.decision) if verdict.decision else "no throughput probe configured")
@@ -525,7 +525,7 @@ class Stager:
         if decide.Judge(policy).keeps(d) and not vetoes:
             dirs = [dict(step_id=step_id, root=d["root"], root_path=d["root_path"], path=d["path"], kind="dir")
                     for d in self.store.file_rows(row["step_id"]) if d["kind"] == "dir"]
-            with self.store.db.atomic():  # the step becomes the plugin's record: its rows turn the usual way round
+            with self.store.transaction():  # the step becomes the plugin's record: its rows turn the usual way round
                 self.store.swap_images(step_id)
                 self.store.add_files(dirs)
                 self.store.deploy(plugin.id, step_id, params, kept_at=row["kept_at"])
@@ -538,7 +538,7 @@ class Stager:
         variant = next((v for v in plugin.variants if v.params == (params or {})), plugin.variants[0])
         self.undo_steps(plugin, variant, step_id, self.context(plugin, step_id))
         dependents = [p.id for p in self.plugins if plugin.id in p.manifest.requires and p.id in self.store.deployed()]
-        with self.store.db.atomic():
+        with self.store.transaction():
             self.store.undeploy(plugin.id)
             self.store.finish_step(step_id, "rolled_back", reason, detail + ("; vetoed: " + "; ".join(vetoes)
                                                                            if vetoes else ""), **numbers)

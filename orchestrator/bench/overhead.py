@@ -76,26 +76,24 @@ def stage_overhead(base: Path, iterations: int) -> dict:
 
 
 def fill_history(config: Path, runs: int, steps_per_run: int) -> None:
+    """Finished runs of judged steps, written through the store's own methods, one transaction per run."""
     project = load(config)
     store = Store(project.db_path)
     outcomes = [("kept", None), ("rolled_back", "no_gain"), ("rolled_back", "regressed"), ("skipped", "not_applicable")]
-    with store.db.atomic():
-        for r in range(runs):
-            run_id = store.db["runs"].insert(dict(command="run", status="finished", started=time.time(),
-                                                  finished=time.time(), baseline=dumps({"score": 100.0}))).last_pk
-            rows = []
+    decision = {"verdict": "keep", "gain": 0.01, "ci_low": 0.0, "ci_high": 0.02, "n_baseline": 3, "n_candidate": 3,
+                "rule": "stat"}
+    for _ in range(runs):
+        with store.transaction():
+            run_id = store.start_run("run", None, "files")
+            store.update_run(run_id, baseline=dumps({"score": 100.0}))
             for s in range(steps_per_run):
                 outcome, reason = outcomes[s % len(outcomes)]
-                rows.append(dict(run_id=run_id, seq=s, plugin=f"plugin-{s:05d}", state="done", outcome=outcome,
-                                 reason=reason, gain=0.01 * (s % 7), objective="score", before_value=100.0,
-                                 after_value=101.0, metrics=dumps({"score": 101.0}), started=0.0, finished=1.0,
-                                 duration=1.0))
-            store.db["steps"].insert_all(rows, batch_size=1000)
-            first = store.conn.execute("SELECT MIN(id) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
-            store.db["decisions"].insert_all(
-                [dict(run_id=run_id, step_id=first + s, objective="score", verdict="keep", gain=0.01, ci_low=0.0,
-                      ci_high=0.02, n_baseline=3, n_candidate=3, rule="stat", vetoes="[]", decision="{}")
-                 for s in range(0, steps_per_run, 2)], batch_size=1000)
+                step_id = store.new_step(run_id, f"plugin-{s:05d}", "measuring", objective="score")
+                store.finish_step(step_id, outcome, reason, gain=0.01 * (s % 7), before_value=100.0, after_value=101.0,
+                                  metrics=dumps({"score": 101.0}))
+                if s % 2 == 0:
+                    store.add_decision(run_id, step_id, "score", decision, [], {})
+            store.finish_run(run_id, "finished")
     store.close()
 
 
