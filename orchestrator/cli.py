@@ -124,7 +124,7 @@ def run(config: Optional[Path] = ConfigOpt,
                                       "decisions were measured in another environment (shown stale by status)")) -> None:
     """Measure the baseline, then stage every plugin in order: keep what helps, roll back the rest."""
     from orchestrator.lock import state_lock
-    from orchestrator.stage import Interrupted, Stager
+    from orchestrator.loop import Interrupted, run as stage_all
     from orchestrator.status import status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
     plugins = _plugins(project)
@@ -144,13 +144,14 @@ def run(config: Optional[Path] = ConfigOpt,
             raise Interrupted(f"signal {signum}")
         signal.signal(signal.SIGTERM, stop)
         live = Live(console=console, transient=True, refresh_per_second=8) if console.is_terminal else None
-        stager = Stager(project, plugins, store, journal, LiveReporter(live))
+        stage = functools.partial(stage_all, project, plugins, store, journal, LiveReporter(live), only_ids, skip_ids,
+                                  attribute, reverify)
         try:
             if live:
                 with live:
-                    run_id = stager.run(only_ids, skip_ids, attribute, reverify)
+                    run_id = stage()
             else:
-                run_id = stager.run(only_ids, skip_ids, attribute, reverify)
+                run_id = stage()
         except (KeyboardInterrupt, Interrupted):
             raise UserError("interrupted; the unfinished plugin was rolled back and the run recorded as interrupted")
         data = status_data(store, run_id)

@@ -284,13 +284,3 @@ class Journal:
     def current(row: dict) -> str | None:
         full = Path(row["root_path"]) / row["path"]
         return sha256_file(full) if full.is_file() and not full.is_symlink() else None
-
-    def drifted(self, step_id: int) -> list[str]:
-        """Files of a kept step that no longer hold what the deployment expects (the last kept post-image)."""
-        expected: dict[tuple[str, str], str | None] = {}
-        for row in self.store.deployed().values():
-            for f in self.store.file_rows(row["step_id"]):
-                if f["kind"] == "file":
-                    expected[(f["root_path"], f["path"])] = f["after"]
-        return [f["path"] for f in self.store.file_rows(step_id) if f["kind"] == "file"
-                and self.current(f) != expected.get((f["root_path"], f["path"]), f["after"])]

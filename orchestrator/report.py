@@ -18,7 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
-from orchestrator.status import FINAL, environment
+from orchestrator.fingerprint import environment
+from orchestrator.status import FINAL
 from orchestrator.store import Reader, loads
 
 

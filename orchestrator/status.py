@@ -1,39 +1,20 @@
 """What `status` shows: the 3.4 JSON document and the rich tables built from the same rows."""
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.errors import UserError
-from orchestrator.store import Store, loads
+from orchestrator.fingerprint import environment
+from orchestrator.store import Reader, loads
 
 # Re-measurements of the kept stack are steps under these names; plugin ids start with a letter or digit.
 FINAL = "(final)"
 WITHOUT = "(without "
 
 
-def environment() -> dict[str, Any]:
-    """The current fingerprint; ORCHESTRATOR_FINGERPRINT_EXTRA (a JSON object) overrides keys of it, to mark a
-    change the fingerprint cannot see (new firmware, another node pool) so that earlier decisions show stale."""
-    from orchestrator.fingerprint import fingerprint
-    info = fingerprint()
-    extra = os.environ.get("ORCHESTRATOR_FINGERPRINT_EXTRA")
-    if extra:
-        try:
-            overrides = json.loads(extra)
-        except ValueError as e:
-            raise UserError(f"environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: not JSON: {e}") from None
-        if not isinstance(overrides, dict):
-            raise UserError("environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: must be a JSON object")
-        info = {**info, **overrides}
-    return info
-
-
-def _stale(store: Store, step: dict, current: dict[str, Any]) -> dict[str, Any]:
+def _stale(store: Reader, step: dict, current: dict[str, Any]) -> dict[str, Any]:
     """Whether a kept decision was measured in another environment (an already_applied step: its original's)."""
     from orchestrator.fingerprint import describe, is_stale
     recorded = store.fingerprint_of(step["id"])
@@ -47,7 +28,7 @@ def _stale(store: Store, step: dict, current: dict[str, Any]) -> dict[str, Any]:
     return {"stale": True, "stale_because": describe(recorded, current)}
 
 
-def status_data(store: Store, run_id: int | None = None) -> dict[str, Any] | None:
+def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | None:
     run = store.run(run_id) if run_id is not None else store.run(command="run") or store.run(command=None)
     if run is None:
         return None
@@ -138,7 +119,7 @@ def steps_table(data: dict[str, Any]) -> Table:
     return table
 
 
-def runs_table(store: Store) -> Table:
+def runs_table(store: Reader) -> Table:
     table = Table(title="runs")
     for col in ("id", "command", "status", "kept", "rolled back", "skipped", "detail"):
         table.add_column(col)

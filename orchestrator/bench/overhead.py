@@ -23,7 +23,10 @@ from pathlib import Path
 import yaml
 
 from orchestrator.config import load
+from orchestrator.context import open_run
+from orchestrator.deployment import Deployment
 from orchestrator.journal import Journal
+from orchestrator.measure import Measurer
 from orchestrator.plugin import load_all
 from orchestrator.stage import Stager
 from orchestrator.store import Store, dumps
@@ -55,20 +58,21 @@ def stage_overhead(base: Path, iterations: int) -> dict:
     for i in range(iterations):
         project = load(make_project(base / f"cold{i}"))
         store = Store(project.db_path)
-        stager = Stager(project, load_all(project.plugins_dir, project.target.roots, {}), store,
-                        Journal(store, project.state_dir / "blobs"))
-        stager.run_id = store.start_run("run", None, "files")
+        journal = Journal(store, project.state_dir / "blobs")
+        plugin = load_all(project.plugins_dir, project.target.roots, {})[0]
+        run = open_run(project, store, journal, "run")
+        stager = Stager(run, Measurer(run), Deployment(store, journal))
         before = {p.name: p.read_bytes() for p in project.target.roots["target"].iterdir()}
         t = time.perf_counter()
-        stager.stage(stager.plugins[0])
+        stager.stage(plugin)
         cold.append(time.perf_counter() - t)
         for _ in range(3):
             t, c = time.perf_counter(), time.process_time()
-            stager.stage(stager.plugins[0])
+            stager.stage(plugin)
             warm.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
         after = {p.name: p.read_bytes() for p in project.target.roots["target"].iterdir()}
-        assert after == before and store.steps(stager.run_id)[-1]["reason"] == "verify_failed"
+        assert after == before and store.steps(run.run_id)[-1]["reason"] == "verify_failed"
         store.close()
     return {"cold_median_ms": 1000 * statistics.median(cold), "warm_median_ms": 1000 * statistics.median(warm),
             "warm_cpu_median_ms": 1000 * statistics.median(cpu),
