@@ -70,8 +70,9 @@ def _open(project):
 
 def _recover(store, journal) -> None:
     from orchestrator.recovery import recover
+    from orchestrator.store import label
     for step in recover(store, journal):
-        console.print(f"recovered: [red]{escape(step['plugin'])}[/] rolled back (interrupted during {step['state']}) "
+        console.print(f"recovered: [red]{escape(label(step))}[/] rolled back (interrupted during {step['state']}) "
                       f"in run {step['run_id']}", highlight=False)
 
 
@@ -257,6 +258,7 @@ def recover(config: Optional[Path] = ConfigOpt) -> None:
     """Restore the last kept state after a crash (also done at the start of run and rollback)."""
     from orchestrator.lock import state_lock
     from orchestrator.recovery import recover as do_recover
+    from orchestrator.store import label
     project = _project(config)
     if not project.db_path.exists():
         console.print("nothing to recover")
@@ -265,7 +267,7 @@ def recover(config: Optional[Path] = ConfigOpt) -> None:
         store, journal = _open(project)
         rolled = do_recover(store, journal)
         for step in rolled:
-            console.print(f"[red]rolled_back[/] {escape(step['plugin'])}: interrupted during {step['state']} "
+            console.print(f"[red]rolled_back[/] {escape(label(step))}: interrupted during {step['state']} "
                           f"(run {step['run_id']})", highlight=False)
         if not rolled:
             console.print("nothing to recover")

@@ -56,7 +56,7 @@ class Deployment:
     def kept_by(self, run_id: int) -> list[int]:
         """The steps a run kept by staging them (not those it found already applied), in order."""
         return [s["id"] for s in self.store.steps(run_id)
-                if s["outcome"] == "kept" and s["reason"] != "already_applied"]
+                if s["kind"] == "attempt" and s["outcome"] == "kept" and s["reason"] != "already_applied"]
 
     # changing
     def keep(self, plugin_id: str, step_id: int, reason: str | None, detail: str, **fields: Any) -> None:

@@ -13,14 +13,10 @@ from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
 from orchestrator.measure import ArmFailed, Measurer, Verdict, describe, guardrail_vetoes, numbers
 from orchestrator.plugin import Plugin
-from orchestrator.store import loads
+from orchestrator.store import label, loads
 
 MEASURED = "measured"  # outcome of a re-measurement step: it leaves the deployment as it was
-FINAL = "(final)"
-
-
-def without(plugin_id: str) -> str:
-    return f"(without {plugin_id})"
+FINAL = "(final)"  # the final re-validation's step is named so; its kind says what it is
 
 
 class Restack:
@@ -34,9 +30,9 @@ class Restack:
         self.plugins = plugins
 
     # comparison steps
-    def switch_step(self, name: str, images: list[tuple[dict, dict]], params: dict | None = None) -> int:
+    def switch_step(self, plugin: str, kind: str, images: list[tuple[dict, dict]], params: dict | None = None) -> int:
         """`images`: (row holding the deployed image, row whose pre-image is compared) per file."""
-        step_id = self.store.new_step(self.run.run_id, name, "measuring", params=params,
+        step_id = self.store.new_step(self.run.run_id, plugin, "measuring", params=params, kind=kind,
                                       objective=self.measurer.objective)
         self.store.add_files([dict(step_id=step_id, root=now["root"], root_path=now["root_path"], path=now["path"],
                                    kind="file", before=now["after"], before_mode=now["after_mode"],
@@ -53,9 +49,11 @@ class Restack:
         finally:
             self.journal.show(step_id, "pre")
 
-    def measure_switch(self, name: str, images: list[tuple[dict, dict]], phase: str) -> tuple[int, Verdict | None]:
+    def measure_switch(self, plugin: str, kind: str, images: list[tuple[dict, dict]],
+                       phase: str) -> tuple[int, Verdict | None]:
         """A comparison step of the deployment against another state; None when an arm failed (recorded)."""
-        step_id = self.switch_step(name, images)
+        step_id = self.switch_step(plugin, kind, images)
+        name = label(self.store.step(step_id))
         self.reporter.phase(name, phase)
         try:
             return step_id, self.compare(step_id, self.run.project.policy, name)
@@ -66,7 +64,7 @@ class Restack:
     def record(self, step_id: int, verdict: Verdict, reason: str | None, detail: str) -> None:
         self.measurer.record(verdict, self.run.project.policy)
         self.store.finish_step(step_id, MEASURED, reason, detail, **numbers(verdict))
-        self.reporter.outcome(self.store.step(step_id)["plugin"], MEASURED, reason, verdict.decision.gain)
+        self.reporter.outcome(label(self.store.step(step_id)), MEASURED, reason, verdict.decision.gain)
 
     # the stack a run kept
     def revalidate(self, kept: list[int]) -> None:
@@ -78,7 +76,8 @@ class Restack:
             for f in self.deployment.files(sid):
                 first.setdefault((f["root_path"], f["path"]), f)
                 last[(f["root_path"], f["path"])] = f
-        step_id, verdict = self.measure_switch(FINAL, [(last[k], first[k]) for k in last], "re-validating the kept stack")
+        step_id, verdict = self.measure_switch(FINAL, "final", [(last[k], first[k]) for k in last],
+                                               "re-validating the kept stack")
         if verdict is None:
             return
         d = verdict.decision
@@ -93,15 +92,15 @@ class Restack:
         """Leave-one-out: each plugin the run kept, switched to its pre-images, against the whole stack."""
         for sid in kept:
             plugin_id = self.store.step(sid)["plugin"]
-            name = without(plugin_id)
             clashes = self.deployment.clashes(sid)
             if clashes:
-                step_id = self.store.new_step(self.run.run_id, name, "done")
+                step_id = self.store.new_step(self.run.run_id, plugin_id, "done", kind="attribution")
                 self.store.finish_step(step_id, MEASURED, "not_separable",
                                        f"later kept plugins changed the same files: {'; '.join(clashes)}")
-                self.reporter.outcome(name, MEASURED, "not_separable", None)
+                self.reporter.outcome(label(self.store.step(step_id)), MEASURED, "not_separable", None)
                 continue
-            step_id, verdict = self.measure_switch(name, [(f, f) for f in self.deployment.files(sid)], "leave-one-out")
+            step_id, verdict = self.measure_switch(plugin_id, "attribution", [(f, f) for f in self.deployment.files(sid)],
+                                                   "leave-one-out")
             if verdict is None:
                 continue
             self.record(step_id, verdict, None, f"contribution of {plugin_id} to the stack: {describe(verdict.decision)}")
@@ -129,7 +128,8 @@ class Restack:
             elif clashes := self.deployment.clashes(sid):
                 problem = ("not_separable", f"later kept plugins changed the same files: {'; '.join(clashes)}")
             if problem:
-                step_id = self.store.new_step(self.run.run_id, plugin_id, "done", params=loads(row["params"]))
+                step_id = self.store.new_step(self.run.run_id, plugin_id, "done", params=loads(row["params"]),
+                                              kind="reverify")
                 self.store.finish_step(step_id, "skipped", problem[0], f"stale ({why}) but {problem[1]}")
                 self.reporter.outcome(plugin_id, "skipped", problem[0], None)
                 continue
@@ -137,7 +137,8 @@ class Restack:
 
     def rejudge(self, plugin: Plugin, row: dict, why: str) -> None:
         params = loads(row["params"])
-        step_id = self.switch_step(plugin.id, [(f, f) for f in self.deployment.files(row["step_id"])], params)
+        step_id = self.switch_step(plugin.id, "reverify", [(f, f) for f in self.deployment.files(row["step_id"])],
+                                   params)
         policy = self.run.project.policy.merged(plugin.manifest.accept)
         self.reporter.phase(plugin.id, "re-verify")
         try:

@@ -57,7 +57,7 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
     for row in todo:
         kept_step = row["step_id"]
         params = loads(row["params"])
-        step_id = store.new_step(run.run_id, row["plugin"], "rolling_back", params=params)
+        step_id = store.new_step(run.run_id, row["plugin"], "rolling_back", params=params, kind="rollback")
         for f in deployment.files(kept_step):
             journal.track(step_id, f["root"], Path(f["root_path"]), f["path"])
         journal.show(kept_step, "pre")

@@ -1,4 +1,5 @@
-"""What `status` shows: the 3.4 JSON document and the rich tables built from the same rows."""
+"""What `status` shows: the `status --json` document (docs/orchestrator.md, section 4) and the rich tables
+built from it."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,10 +9,6 @@ from rich.table import Table
 
 from orchestrator.fingerprint import environment
 from orchestrator.store import Reader, loads
-
-# Re-measurements of the kept stack are steps under these names; plugin ids start with a letter or digit.
-FINAL = "(final)"
-WITHOUT = "(without "
 
 
 def _stale(store: Reader, step: dict, current: dict[str, Any]) -> dict[str, Any]:
@@ -46,10 +43,10 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
             item["decision"] = {k: d[k] for k in ("verdict", "rule", "ci_low", "ci_high", "n_baseline", "n_candidate",
                                                   "baseline_median", "candidate_median")}
             item["decision"]["vetoes"] = loads(d["vetoes"]) or []
-        if s["plugin"] == FINAL:
+        if s["kind"] == "final":
             final = {**item, "better": bool(d) and d["verdict"] == "keep"}
-        elif s["plugin"].startswith(WITHOUT):
-            attribution.append({**item, "plugin": s["plugin"][len(WITHOUT):-1]})
+        elif s["kind"] == "attribution":
+            attribution.append(item)
         else:
             if s["outcome"] == "kept":
                 item.update(_stale(store, s, current))

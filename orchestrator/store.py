@@ -1,4 +1,8 @@
-"""The run history in SQLite (WAL): runs, steps, measurements, decisions, files, processes, events."""
+"""The run history in SQLite (WAL): runs, steps, measurements, decisions, files, processes, events.
+
+The schema's version is SQLite's `user_version`; a writer brings an older database up to date when it opens
+it (`MIGRATIONS`), and a reader of an older one sees it as if it had been (temporary views, nothing written).
+"""
 from __future__ import annotations
 
 import json
@@ -9,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from orchestrator.errors import UserError
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
   id INTEGER PRIMARY KEY, command TEXT NOT NULL, status TEXT NOT NULL, pid INTEGER,
@@ -17,7 +23,7 @@ CREATE TABLE IF NOT EXISTS steps (
   id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id), seq INTEGER, plugin TEXT NOT NULL,
   params TEXT, state TEXT NOT NULL, image TEXT, outcome TEXT, reason TEXT, detail TEXT,
   gain REAL, objective TEXT, before_value REAL, after_value REAL, metrics TEXT, baseline_metrics TEXT,
-  started REAL, finished REAL, duration REAL);
+  started REAL, finished REAL, duration REAL, kind TEXT NOT NULL DEFAULT 'attempt');
 CREATE INDEX IF NOT EXISTS steps_run ON steps(run_id, seq);
 CREATE INDEX IF NOT EXISTS steps_open ON steps(state);
 CREATE TABLE IF NOT EXISTS files (
@@ -50,6 +56,40 @@ CREATE TABLE IF NOT EXISTS events (
 
 
 
+# What a step is: a plugin staged (`attempt`), the re-validation of the stack a run kept (`final`, its `plugin`
+# is "(final)"), the stack without one kept plugin (`attribution`, `plugin` is the one left out), a kept plugin
+# re-judged by `run --reverify` (`reverify`), or a kept plugin undone by `rollback` (`rollback`).
+STEP_KINDS = ("attempt", "final", "attribution", "reverify", "rollback")
+
+# Databases of schema version 0 name re-measurement steps "(final)" and "(without ID)" and have no kind: a run
+# is a re-verification when one of its steps carries a mark only re-verification leaves (its rolled-back steps
+# carry none, so a run that rolled back every stale plugin reads as attempts).
+_V0_KIND = """CASE
+  WHEN plugin = '(final)' THEN 'final'
+  WHEN plugin LIKE '(without %)' THEN 'attribution'
+  WHEN run_id IN (SELECT id FROM main.runs WHERE command = 'rollback') THEN 'rollback'
+  WHEN run_id IN (SELECT run_id FROM main.steps WHERE reason IN ('reverified', 'files_changed')
+                  OR (outcome = 'measured' AND plugin NOT LIKE '(%')
+                  OR (outcome = 'skipped' AND reason = 'not_separable')) THEN 'reverify'
+  ELSE 'attempt' END"""
+_V0_PLUGIN = "CASE WHEN plugin LIKE '(without %)' THEN substr(plugin, 10, length(plugin) - 10) ELSE plugin END"
+
+
+def _v1_step_kinds(conn: sqlite3.Connection) -> None:
+    conn.execute("ALTER TABLE steps ADD COLUMN kind TEXT NOT NULL DEFAULT 'attempt'")
+    conn.execute(f"UPDATE steps SET kind = {_V0_KIND}")
+    conn.execute(f"UPDATE steps SET plugin = {_V0_PLUGIN} WHERE kind = 'attribution'")
+
+
+MIGRATIONS = [_v1_step_kinds]  # MIGRATIONS[v] takes a database from schema version v to v + 1
+VERSION = len(MIGRATIONS)
+
+
+def label(step: dict) -> str:
+    """A step's name for people and for its probes (ORCHESTRATOR_PLUGIN): the plugin, "(final)", "(without ID)"."""
+    return f"(without {step['plugin']})" if step["kind"] == "attribution" else step["plugin"]
+
+
 def dumps(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, default=str)
 
@@ -67,9 +107,18 @@ class Reader:
         self.conn = self._connect()
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA busy_timeout=10000")
+        self._as_current()
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+
+    def _as_current(self) -> None:
+        """Show an older database as the current schema: a temporary view named like the table hides it."""
+        columns = [r["name"] for r in self.conn.execute("PRAGMA main.table_info(steps)")]
+        if not columns or "kind" in columns:
+            return
+        shown = [f"{_V0_PLUGIN} AS plugin" if c == "plugin" else c for c in columns]
+        self.conn.execute(f"CREATE TEMP VIEW steps AS SELECT {', '.join(shown)}, {_V0_KIND} AS kind FROM main.steps")
 
     def close(self) -> None:
         self.conn.close()
@@ -152,11 +201,31 @@ class Store(Reader):
         super().__init__(path)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.executescript(SCHEMA)
         self._db = sqlite_utils.Database(self.conn, execute_plugins=False)
+        self._migrate()
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(str(self.path))
+
+    def _as_current(self) -> None:
+        """A writer migrates instead (`_migrate`)."""
+
+    def _migrate(self) -> None:
+        """Create the tables, or bring an older database up to VERSION in one transaction; refuse a newer one."""
+        fresh = not self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'steps'").fetchone()
+        version = VERSION if fresh else self.conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > VERSION:
+            raise UserError(f"{self.path}: written by a newer release of the orchestrator (schema version "
+                            f"{version}; this one knows up to {VERSION})")
+        if version == VERSION and not fresh:
+            return
+        with self.transaction():
+            for migration in MIGRATIONS[version:]:
+                migration(self.conn)
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self.conn.execute(statement)
+            self.conn.execute(f"PRAGMA user_version = {VERSION}")
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -176,10 +245,12 @@ class Store(Reader):
         self.update_run(run_id, status=status, finished=time.time(), detail=detail)
 
     # steps
-    def new_step(self, run_id: int, plugin: str, state: str, params: dict | None = None, **fields: Any) -> int:
+    def new_step(self, run_id: int, plugin: str, state: str, params: dict | None = None, kind: str = "attempt",
+                 **fields: Any) -> int:
+        assert kind in STEP_KINDS, kind
         seq = self.conn.execute("SELECT COUNT(*) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
         return self._db["steps"].insert(dict(run_id=run_id, seq=seq, plugin=plugin, params=dumps(params or None),
-                                             state=state, started=time.time(), **fields)).last_pk
+                                             state=state, kind=kind, started=time.time(), **fields)).last_pk
 
     def set_step(self, step_id: int, **fields: Any) -> None:
         self._db["steps"].update(step_id, fields)

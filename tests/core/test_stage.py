@@ -25,8 +25,8 @@ def stage(project, reporter=None):
 
 
 def outcomes(store, run_id):
-    """Plugin steps only: the re-measurements of the kept stack are named in parentheses."""
-    return [(s["plugin"], s["outcome"], s["reason"]) for s in store.steps(run_id) if not s["plugin"].startswith("(")]
+    """Plugin attempts only, not the re-measurements of the kept stack."""
+    return [(s["plugin"], s["outcome"], s["reason"]) for s in store.steps(run_id) if s["kind"] == "attempt"]
 
 
 class TreeWatcher(Reporter):
