@@ -4,7 +4,7 @@
    (the plugin's verify fails, so it is applied, checked and rolled back; no probe runs);
 2. `orchestrator status` on a database holding 10,000 steps (the real CLI in a subprocess).
 
-    python -m orchestrator.bench.overhead [--iterations 20]
+    python -m benchmarks.overhead [--iterations 20]
 """
 from __future__ import annotations
 
