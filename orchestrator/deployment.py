@@ -53,10 +53,12 @@ class Deployment:
                 found.append(f"{self.store.step(later)['plugin']} ({', '.join(shared)})")
         return found
 
-    def kept_by(self, run_id: int) -> list[int]:
-        """The steps a run kept by staging them (not those it found already applied), in order."""
-        return [s["id"] for s in self.store.steps(run_id)
-                if s["kind"] == "attempt" and s["outcome"] == "kept" and s["reason"] != "already_applied"]
+    def kept_by(self, run_ids: list[int]) -> list[int]:
+        """The steps these runs kept by staging them (not those found already applied) and still kept, in order."""
+        deployed = {row["step_id"] for row in self.rows().values()}
+        return [s["id"] for run_id in run_ids for s in self.store.steps(run_id)
+                if s["kind"] == "attempt" and s["outcome"] == "kept" and s["reason"] != "already_applied"
+                and s["id"] in deployed]
 
     # changing
     def keep(self, plugin_id: str, step_id: int, reason: str | None, detail: str, **fields: Any) -> None:

@@ -18,12 +18,18 @@ class BaselineFailed(Exception):
     """The run's baseline cannot be measured: nothing can be judged against it."""
 
 
+class EnvironmentFailed(Exception):
+    """A probe the candidate failed fails on the last kept state too: the run stops, blaming no plugin."""
+
+
 class ArmFailed(Exception):
     """A throughput probe failed while measuring one arm; `reason` is the probe's (timeout, crashed, ...)."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, spec: ProbeSpec, result: ProbeResult):
         super().__init__(message)
         self.reason = reason
+        self.spec = spec
+        self.result = result
 
 
 @dataclass
@@ -118,6 +124,10 @@ class Measurer:
                 return spec, out
         return None
 
+    def control(self, spec: ProbeSpec, step_id: int, plugin: str) -> ProbeResult:
+        """Re-run a probe the candidate failed on the last kept state, which the caller has put on disk."""
+        return self.probe(spec, step_id, "control", 0, plugin)
+
     def sample(self, step_id: int | None, arm: str, repeat: int, plugin: str) -> Sample:
         """One measurement of the state on disk: every throughput probe once, metrics merged."""
         metrics: dict[str, Any] = {}
@@ -125,7 +135,7 @@ class Measurer:
         for spec in self.throughput:
             out = self.probe(spec, step_id, arm, repeat, plugin)
             if not out.ok:
-                raise ArmFailed(out.reason or "probe_failed", f"{arm} arm, probe {spec.name}: {failure(out)}")
+                raise ArmFailed(out.reason or "probe_failed", f"{arm} arm, probe {spec.name}: {failure(out)}", spec, out)
             metrics.update({k: v for k, v in out.metrics.items() if k not in metrics})
             if value is None:
                 value = out.value

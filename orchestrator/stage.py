@@ -7,9 +7,13 @@ from dataclasses import dataclass
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
-from orchestrator.measure import ArmFailed, Measurer, Verdict, describe, failure, guardrail_vetoes, numbers
+from orchestrator.config import ProbeSpec
+from orchestrator.measure import (ArmFailed, EnvironmentFailed, Measurer, Verdict, describe, failure, guardrail_vetoes,
+                                  numbers)
 from orchestrator.plugin import Plugin, Variant
+from orchestrator.probes.runner import ProbeResult
 from orchestrator.steps import StepFailed, apply_all, check
+from orchestrator.store import dumps
 
 
 @dataclass
@@ -41,7 +45,17 @@ class Stager:
         """Skip it, find it already applied, or attempt every params combination and keep the best candidate."""
         if not self.ready(plugin):
             return
-        candidates = [c for c in (self.attempt(plugin, variant) for variant in plugin.variants) if c is not None]
+        candidates: list[Candidate] = []
+        try:
+            for variant in plugin.variants:
+                candidate = self.attempt(plugin, variant)
+                if candidate is not None:
+                    candidates.append(candidate)
+        except EnvironmentFailed:
+            for c in candidates:  # the last kept state is on disk: close them undecided
+                self.store.finish_step(c.step_id, "rolled_back", "environment_failed",
+                                       "not chosen: the run stopped on an environment failure")
+            raise
         if not candidates:
             return
         best = max(candidates, key=lambda c: c.gain)
@@ -77,6 +91,13 @@ class Stager:
                 if not ok:
                     return self.skip(plugin, "not_applicable", why)
         return True
+
+    def decided_earlier(self, plugin: Plugin, earlier: list[dict]) -> None:
+        """A run that continues a stopped one does not stage again what that run rolled back for a reason of its own."""
+        run_id = earlier[0]["run_id"]
+        reasons = ", ".join(dict.fromkeys(s["reason"] for s in earlier))
+        self.skip(plugin, "decided_earlier", f"rolled back in run {run_id} ({reasons}), which this run continues; "
+                                             "name it with --only to stage it again")
 
     def skip(self, plugin: Plugin, reason: str, detail: str) -> bool:
         step_id = self.store.new_step(self.run.run_id, plugin.id, "done")
@@ -120,14 +141,14 @@ class Stager:
         failed = self.measurer.failed_correctness(step_id, "candidate", name)
         if failed:
             spec, out = failed
-            return self.roll_back(plugin, variant, step_id, out.reason, f"probe {spec.name}: {failure(out)}")
+            return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
         if not self.measurer.throughput:
             return self.candidate(Verdict(step_id, None), None)
         self.store.set_step(step_id, state="measuring")
         try:
             verdict = self.measurer.measure(step_id, policy, name, lambda image: self.journal.show(step_id, image))
         except ArmFailed as e:
-            return self.roll_back(plugin, variant, step_id, e.reason, str(e))
+            return self.probe_failed(plugin, variant, step_id, name, e.spec, e.result, str(e))
         vetoes = guardrail_vetoes(policy, verdict)
         self.measurer.record(verdict, policy, vetoes)
         self.store.set_step(step_id, state="deciding", **numbers(verdict))
@@ -136,6 +157,24 @@ class Stager:
             detail = "; ".join(vetoes) if reason == "guardrail" else describe(verdict.decision)
             return self.roll_back(plugin, variant, step_id, reason, detail)
         return self.candidate(verdict, reason)
+
+    def probe_failed(self, plugin: Plugin, variant: Variant, step_id: int, name: str, spec: ProbeSpec,
+                     out: ProbeResult, detail: str) -> None:
+        """A probe failed while the candidate was on disk: re-run it on the last kept state, the control (as
+        Kayenta judges a canary against a control, not against history). When the control passes, the failure is
+        the candidate's; when it fails too, the environment is at fault: roll back as environment_failed and
+        stop the run (EnvironmentFailed)."""
+        self.journal.show(step_id, "pre")
+        control = self.measurer.control(spec, step_id, name)
+        self.store.set_step(step_id, control=dumps({"probe": spec.name, "passed": control.ok, "reason": control.reason,
+                                                    "detail": failure(control)}))
+        if control.ok:
+            return self.roll_back(plugin, variant, step_id, out.reason or "probe_failed",
+                                  f"{detail}; the last kept state passes it (control)")
+        why = f"probe {spec.name} fails on the last kept state too (control: {failure(control)})"
+        self.roll_back(plugin, variant, step_id, "environment_failed", f"{detail}; {why}")
+        raise EnvironmentFailed(f"{why}; {plugin.id} was rolled back and nothing more staged: fix the environment, "
+                                f"then `orchestrator run` continues from {plugin.id}")
 
     def candidate(self, verdict: Verdict, reason: str | None) -> Candidate:
         """Put the last kept state back while the other combinations are attempted; the best is shown again."""

@@ -38,7 +38,7 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
         item = {"plugin": s["plugin"], "outcome": s["outcome"], "reason": s["reason"], "gain": s["gain"],
                 "metrics": loads(s["metrics"]) or {}, "params": loads(s["params"]), "state": s["state"],
                 "detail": s["detail"], "objective": s["objective"], "before": s["before_value"],
-                "after": s["after_value"], "duration": s["duration"]}
+                "after": s["after_value"], "duration": s["duration"], "control": loads(s["control"])}
         if d:
             item["decision"] = {k: d[k] for k in ("verdict", "rule", "ci_low", "ci_high", "n_baseline", "n_candidate",
                                                   "baseline_median", "candidate_median")}
@@ -102,18 +102,30 @@ def steps_table(data: dict[str, Any]) -> Table:
     run = data["run"]
     table = Table(title=f"run {run['id']} ({run['command']}): {run['status']}")
     table.add_column("plugin", overflow="fold")
-    for col in ("outcome", "reason", "objective before → after", "gain", "duration", "stale"):
+    controls = any(s.get("control") for s in data["steps"])
+    for col in ("outcome", "reason", "objective before → after", "gain", "duration", "stale") + (
+            ("control",) if controls else ()):
         table.add_column(col)
     style = {"kept": "green", "rolled_back": "red", "skipped": "yellow"}
     for s in data["steps"]:
         name = s["plugin"] + (" [" + ",".join(f"{k}={v}" for k, v in s["params"].items()) + "]" if s["params"] else "")
         outcome = s["outcome"] or s["state"]
         change = "" if s["before"] is None and s["after"] is None else f"{_num(s['before'])} → {_num(s['after'])}"
-        table.add_row(escape(name), f"[{style.get(outcome, 'cyan')}]{outcome}[/]", s["reason"] or "", change,
-                      "" if s["gain"] is None else f"{s['gain']:+.2%}",
-                      "" if s["duration"] is None else f"{s['duration']:.1f}s",
-                      f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else "")
+        row = [escape(name), f"[{style.get(outcome, 'cyan')}]{outcome}[/]", s["reason"] or "", change,
+               "" if s["gain"] is None else f"{s['gain']:+.2%}",
+               "" if s["duration"] is None else f"{s['duration']:.1f}s",
+               f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else ""]
+        table.add_row(*row, *([_control(s.get("control"))] if controls else []))
     return table
+
+
+def _control(control: dict | None) -> str:
+    """The probe a failed candidate was re-checked with on the last kept state, and how that went."""
+    if not control:
+        return ""
+    if control["passed"]:
+        return f"[green]{escape(control['probe'])} passed[/]"
+    return f"[red]{escape(control['probe'])} failed: {escape(control['reason'] or '')}[/]"
 
 
 def runs_table(store: Reader) -> Table:

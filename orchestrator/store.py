@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS steps (
   id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id), seq INTEGER, plugin TEXT NOT NULL,
   params TEXT, state TEXT NOT NULL, image TEXT, outcome TEXT, reason TEXT, detail TEXT,
   gain REAL, objective TEXT, before_value REAL, after_value REAL, metrics TEXT, baseline_metrics TEXT,
-  started REAL, finished REAL, duration REAL, kind TEXT NOT NULL DEFAULT 'attempt');
+  started REAL, finished REAL, duration REAL, kind TEXT NOT NULL DEFAULT 'attempt', control TEXT);
 CREATE INDEX IF NOT EXISTS steps_run ON steps(run_id, seq);
 CREATE INDEX IF NOT EXISTS steps_open ON steps(state);
 CREATE TABLE IF NOT EXISTS files (
@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS events (
 
 # What a step is: a plugin staged (`attempt`), the re-validation of the stack a run kept (`final`, its `plugin`
 # is "(final)"), the stack without one kept plugin (`attribution`, `plugin` is the one left out), a kept plugin
-# re-judged by `run --reverify` (`reverify`), or a kept plugin undone by `rollback` (`rollback`).
+# re-judged by `run --reverify` (`reverify`), or a kept plugin undone by `rollback` (`rollback`). `control`
+# holds the result of re-running a probe the candidate failed on the last kept state (JSON), if one was run.
 STEP_KINDS = ("attempt", "final", "attribution", "reverify", "rollback")
 
 # Databases of schema version 0 name re-measurement steps "(final)" and "(without ID)" and have no kind: a run
@@ -81,8 +82,14 @@ def _v1_step_kinds(conn: sqlite3.Connection) -> None:
     conn.execute(f"UPDATE steps SET plugin = {_V0_PLUGIN} WHERE kind = 'attribution'")
 
 
-MIGRATIONS = [_v1_step_kinds]  # MIGRATIONS[v] takes a database from schema version v to v + 1
+def _v2_control(conn: sqlite3.Connection) -> None:
+    conn.execute("ALTER TABLE steps ADD COLUMN control TEXT")
+
+
+MIGRATIONS = [_v1_step_kinds, _v2_control]  # MIGRATIONS[v] takes a database from schema version v to v + 1
 VERSION = len(MIGRATIONS)
+# Step columns added since version 0, as a reader shows them in an older database.
+_ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
 
 
 def label(step: dict) -> str:
@@ -115,10 +122,12 @@ class Reader:
     def _as_current(self) -> None:
         """Show an older database as the current schema: a temporary view named like the table hides it."""
         columns = [r["name"] for r in self.conn.execute("PRAGMA main.table_info(steps)")]
-        if not columns or "kind" in columns:
+        missing = [c for c in _ADDED_STEP_COLUMNS if c not in columns]
+        if not columns or not missing:
             return
-        shown = [f"{_V0_PLUGIN} AS plugin" if c == "plugin" else c for c in columns]
-        self.conn.execute(f"CREATE TEMP VIEW steps AS SELECT {', '.join(shown)}, {_V0_KIND} AS kind FROM main.steps")
+        shown = [f"{_V0_PLUGIN} AS plugin" if c == "plugin" and "kind" in missing else c for c in columns]
+        shown += [f"{_ADDED_STEP_COLUMNS[c]} AS {c}" for c in missing]
+        self.conn.execute(f"CREATE TEMP VIEW steps AS SELECT {', '.join(shown)} FROM main.steps")
 
     def close(self) -> None:
         self.conn.close()
@@ -141,6 +150,10 @@ class Reader:
             "SELECT r.*, SUM(s.outcome = 'kept') AS kept, SUM(s.outcome = 'rolled_back') AS rolled_back, "
             "SUM(s.outcome = 'skipped') AS skipped FROM runs r LEFT JOIN steps s ON s.run_id = r.id "
             "GROUP BY r.id ORDER BY r.id")
+
+    def runs_before(self, run_id: int, command: str) -> list[dict]:
+        """Earlier runs of a command, newest first."""
+        return self.query("SELECT * FROM runs WHERE id < ? AND command = ? ORDER BY id DESC", [run_id, command])
 
     def open_runs(self) -> list[dict]:
         return self.query("SELECT * FROM runs WHERE status = 'running' ORDER BY id")

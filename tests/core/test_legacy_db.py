@@ -60,7 +60,7 @@ def test_the_first_writer_migrates_and_rollback_undoes_every_byte(legacy):
     assert all(f"rolled_back {p}" in out for p in "abd")
     assert tree(legacy.target) == ORIGINAL
     assert (legacy.path / "d-undone.txt").read_text() == "undone\n"  # d's own rollback step ran
-    assert schema_version(legacy) == 1
+    assert schema_version(legacy) == 2
     kinds = [(r["run_id"], r["plugin"], r["kind"]) for r in legacy.db().execute(
         "SELECT run_id, plugin, kind FROM steps ORDER BY id")]
     assert kinds == [(1, "a", "attempt"), (1, "b", "attempt"), (1, "c", "attempt"), (1, "d", "attempt"),
