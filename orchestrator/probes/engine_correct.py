@@ -67,7 +67,10 @@ def record(config: EngineConfig, path: Path) -> dict:
     """Generates the reference with every kernel on its float64 reference variant; writes
     ``path`` atomically, so a failure leaves no partial file."""
     prompts = prompt_set()
-    ref_config = fit(config, prompts, MAX_TOKENS,
+    # float64 attention materialises whole score matrices: batches no longer than the longest
+    # prompt keep the reference engine's profiling prefill small on any deployment's settings
+    need = max(map(len, prompts)) + MAX_TOKENS
+    ref_config = fit(config, prompts, MAX_TOKENS, max_model_len=need, max_num_batched_tokens=need,
                      **{key.replace("-", "_"): "reference" for key in KERNEL_KEYS})
     reference = {"format": FORMAT, **identity(config), "max_tokens": MAX_TOKENS,
                  "prompts": prompts, "outputs": generate(ref_config, prompts, MAX_TOKENS)[0]}
