@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -70,6 +70,7 @@ class ServerProcess:
     def __init__(self, argv: list[str], stop_timeout: float = 15.0):
         self.argv, self.stop_timeout = argv, stop_timeout
         self.log = tempfile.NamedTemporaryFile(prefix="serving-probe-", suffix=".log", delete=False)
+        self.spawned = time.monotonic()
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
@@ -86,6 +87,10 @@ class ServerProcess:
     def tail(self, limit: int = 2000) -> str:
         text = Path(self.log.name).read_text(errors="replace")
         return text[-limit:]
+
+    def age(self) -> float:
+        """Seconds since the server command was started."""
+        return time.monotonic() - self.spawned
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -451,6 +456,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests per second, Poisson arrivals (default: all at once)")
     p.add_argument("--max-concurrency", type=int, default=w.max_concurrency)
     p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--warmup", action="store_true",
+                   help="before the measured window, one concurrent batch of other prompts shaped like the "
+                        "workload (compiles per-shape kernels outside the window)")
     p.add_argument("--max-failed-fraction", type=float, default=0.0,
                    help="the probe fails when more than this fraction of requests fail")
     p.add_argument("--output-weight", type=float, default=DEFAULT_WEIGHTS[0])
@@ -487,12 +495,27 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     return engine_server_argv(config, args.host, args.port)
 
 
+async def warm_up(base_url: str, model: str, workload: Workload, request_timeout: float) -> float:
+    """One concurrent batch shaped like the workload, from other prompts (its prefixes do not
+    prime the measured ones): kernels that compile per shape at first use (Triton's JIT) do so
+    here instead of inside the measured window. Returns its wall time."""
+    batch = min(workload.num_prompts, workload.max_concurrency or workload.num_prompts)
+    warm = replace(workload, num_prompts=batch, output_len=min(workload.output_len, 16),
+                   request_rate=math.inf, seed=workload.seed + 1_000_003)
+    outcomes, duration, _ = await drive(base_url, model, warm, request_timeout)
+    if not any(o.success for o in outcomes):
+        raise ProbeError(f"every warm-up request failed: {sorted({o.error for o in outcomes})[:3]}")
+    return duration
+
+
 async def benchmark(base_url: str, args: argparse.Namespace, server: ServerProcess | None) -> dict:
     await wait_healthy(base_url, args.health_timeout, server)
+    ready = server.age() if server is not None else None
     model = args.model or await served_model(base_url)
     workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                         args.shared_prefix_fraction, *args.token_id_range, args.request_rate,
                         args.max_concurrency, args.seed)
+    warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
     hits_before = await prefix_cache_hits(base_url)
     outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout,
                                           server.cpu_seconds if server is not None else lambda: None)
@@ -511,6 +534,10 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: ServerProce
                    "output_len": workload.output_len,
                    "shared_prefix_fraction": workload.shared_prefix_fraction,
                    "seed": workload.seed, "cached_tokens_source": source})
+    if ready is not None:
+        result["server_ready_seconds"] = ready
+    if warmup is not None:
+        result["warmup_seconds"] = warmup
     if server is not None and (code := server.exited()) is not None:
         result["server_exit_code"] = code
     return with_cpu(with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight)), cpu)

@@ -44,6 +44,7 @@ def test_probe_serves_the_target_config_and_scores_it(tmp_path):
     assert 0 < out["server_cpu_seconds"] and out["cpu_utilization"] == pytest.approx(out["server_cpu_seconds"] / d)
     assert out["cpu_score"] == pytest.approx(out["score"] * d / out["server_cpu_seconds"])
     assert out["output_tokens_per_cpu_second"] == pytest.approx(48 / out["server_cpu_seconds"])
+    assert out["server_ready_seconds"] > 0 and "warmup_seconds" not in out
     assert alive_with(str(root)) == []
 
 
@@ -154,3 +155,14 @@ def test_import_result_with_failures_past_the_threshold(tmp_path):
     rc, out, _ = run_probe("--import-result", str(path), "--max-failed-fraction", "0.1")
     assert rc == 1 and "28 of 128 requests failed" in out["error"]
     assert math.isfinite(out["score"])
+
+
+def test_warm_up_runs_other_prompts_before_the_window(tmp_path):
+    """The warm-up batch must not prime the measured prompts' prefix cache: the cached tokens are
+    those of a run without it."""
+    root = tmp_path / "workspace"
+    write_config(root)
+    rc, out, err = run_probe(*WORKLOAD, "--warmup", ORCHESTRATOR_TARGET_ROOT=str(root))
+    assert rc == 0, (out, err)
+    assert out["warmup_seconds"] > 0 and out["completed"] == 8
+    assert out["total_cached_tokens"] == 7 * 16 + 32
