@@ -42,6 +42,7 @@ class Workload(BaseModel):
     shared_prefix_fraction: float = Field(0.5, ge=0, lt=1)
     max_concurrency: int = Field(ge=1)
     warmup: bool = False
+    windows: int = Field(1, ge=1, le=20)  # measured passes per server start; the best by the objective counts
     seed: int = 0
 
 
@@ -159,6 +160,7 @@ class EngineTarget(Target):
                          "--output-len", str(w.output_len),
                          "--shared-prefix-fraction", str(w.shared_prefix_fraction),
                          "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed),
+                         "--windows", str(w.windows), "--best-of", self.objective,
                          *(["--warmup"] if w.warmup else [])]},
         ]
 

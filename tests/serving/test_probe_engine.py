@@ -166,3 +166,18 @@ def test_warm_up_runs_other_prompts_before_the_window(tmp_path):
     assert rc == 0, (out, err)
     assert out["warmup_seconds"] > 0 and out["completed"] == 8
     assert out["total_cached_tokens"] == 7 * 16 + 32
+
+
+def test_several_windows_report_the_best_and_each_one(tmp_path):
+    root = tmp_path / "workspace"
+    write_config(root)
+    rc, out, err = run_probe(*WORKLOAD, "--windows", "3", "--best-of", "cpu_score",
+                             ORCHESTRATOR_TARGET_ROOT=str(root))
+    assert rc == 0, (out, err)
+    assert out["best_of"] == "cpu_score" and len(out["windows"]) == 3
+    seeds = [w["seed"] for w in out["windows"]]
+    assert len(set(seeds)) == 3 and seeds[0] == 3  # each pass its own prompts
+    assert out["cpu_score"] == max(w["cpu_score"] for w in out["windows"])
+    assert out["seed"] in seeds and all(w["completed"] == 8 for w in out["windows"])
+    # each pass starts cold for its own prompts: the cache holds only what that pass shares
+    assert out["total_cached_tokens"] == 7 * 16 + 32
