@@ -8,6 +8,7 @@ from typing import Iterator
 from filelock import FileLock, Timeout
 
 from orchestrator.errors import UserError
+from orchestrator.probes.marks import scoped
 
 
 class Busy(UserError):
@@ -24,6 +25,7 @@ def state_lock(state_dir: Path) -> Iterator[None]:
         raise Busy(f"another orchestrator command holds {state_dir / 'orchestrator.lock'}: a run is in progress "
                    "(use `orchestrator status` to follow it)") from None
     try:
-        yield
+        with scoped(state_dir):  # processes started meanwhile carry this state folder's mark
+            yield
     finally:
         lock.release()

@@ -1,4 +1,5 @@
-"""Runs a probe or a command step in its own process group, with a hard timeout and a kept output tail."""
+"""Runs a probe or a command step in its own process group, with a hard timeout and a kept output tail;
+at its end nothing it started is left running (see marks.py)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import psutil
+
+from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
 
 TAIL = 4000  # characters of stdout and stderr kept with a measurement
 RESULT_SCAN = 8 << 20  # bytes at the end of stdout searched for the result line
@@ -158,17 +161,20 @@ def run_process(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
                 on_start: Callable[[int, float], Callable[[], None] | None] | None = None,
                 on_tick: Callable[[float, str], None] | None = None,
                 tmp_dir: Path | None = None) -> ProcessResult:
-    """Run to completion or until `timeout`; whatever it leaves running in its group is killed either way.
+    """Run to completion or until `timeout`; whatever it leaves running is killed either way: its group, its
+    descendants, and every process that inherited its mark (a double-forked daemon in a session of its own).
 
-    `on_start(pid, create_time)` may return a callable run once the process group is gone. A process that
+    `on_start(pid, create_time)` may return a callable run once all of them are gone. A process that
     cannot be started gives a result with `launch_error` set, not an exception.
     """
+    mark = new_mark()
     with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="proc-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             start = time.monotonic()
+            since = time.time() - 5  # process start times are rounded to the boot time's second
             try:
-                proc = subprocess.Popen(argv_for(argv), cwd=cwd, env=env, stdout=out, stderr=err,
+                proc = subprocess.Popen(argv_for(argv), cwd=cwd, env=marked_env(env, mark), stdout=out, stderr=err,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
             except (OSError, ValueError) as e:  # ValueError: a NUL byte in an argument
                 return ProcessResult(None, False, 0.0, "", "", launch_error=_launch_error(e, argv, cwd))
@@ -194,6 +200,7 @@ def run_process(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
             finally:
                 kill_group(proc.pid, proc.pid)  # on timeout, and leftovers (a server it forgot to stop)
                 proc.wait()
+                sweep_mark(mark, since)  # and what escaped the group and the tree
                 if on_end:
                     on_end()
             duration = time.monotonic() - start
