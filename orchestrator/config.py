@@ -106,7 +106,31 @@ class Project:
         self.state_dir = self._path(config.state)
         self.plugins_dir = self._path(config.plugins)
         self.target: Target = target_class(target.kind, source)(target, self.base_dir, self.state_dir)
+        self._check_folders()
         self.probes = self._probes()
+
+    def _check_folders(self) -> None:
+        """The state folder must be one (or creatable), and neither it nor the plugins may lie inside a target root:
+        a command step snapshots its whole root, so a rollback would rewrite the live database and blobs, or the
+        plugins themselves. A root inside the state folder (the engine's workspace) is fine."""
+        where = self.source or "<embedded default>"
+        for folder in (self.state_dir, *self.state_dir.parents):
+            if folder.exists():
+                if not folder.is_dir():
+                    why = "is a file" if folder == self.state_dir else f"cannot be created: {folder} is a file"
+                    raise ConfigError(where, "state", f"{self.state_dir} {why}, not a folder")
+                break
+        try:
+            roots = self.target.roots
+        except ConfigError:
+            return  # a target that cannot be located here fails where it is used, saying why
+        for field, folder in (("state", self.state_dir), ("plugins", self.plugins_dir)):
+            for name, root in roots.items():
+                root = root.resolve()
+                if folder.is_relative_to(root):
+                    raise ConfigError(where, field, f"the {field} folder {folder} is inside the target root {root} "
+                                      f"({name}): snapshots of the root would include it and a rollback would "
+                                      f"rewrite it; move one of them")
 
     def _path(self, p: str) -> Path:
         path = Path(p).expanduser()
