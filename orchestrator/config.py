@@ -13,6 +13,9 @@ CONFIG_NAME = "orchestrator.yaml"
 OPTIMIZATIONS = Path(__file__).resolve().parents[1] / "optimizations"
 
 
+MAX_SAMPLES = 100  # upper bound of repeats and pairs: each one is a probe run, often minutes long
+
+
 class Policy(BaseModel):
     """How a candidate is measured and judged; per-plugin `accept:` overrides any field."""
 
@@ -27,6 +30,14 @@ class Policy(BaseModel):
     on_inconclusive: Literal["rollback", "keep"] = "rollback"
     implausible_factor: float = Field(3.0, gt=1)
     guardrails: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("repeats", "min_pairs", "max_pairs")
+    @classmethod
+    def _bounded(cls, value: int) -> int:
+        if value > MAX_SAMPLES:
+            raise ValueError(f"{value} is more than the limit of {MAX_SAMPLES} samples per arm: each is a probe run, "
+                             "and the judge's interval narrows little after a few dozen")
+        return value
 
     @model_validator(mode="after")
     def _pairs(self) -> "Policy":

@@ -1,7 +1,6 @@
 """The probe protocol fails closed: real probe processes, judged as the staging loop judges them."""
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 from pathlib import Path
