@@ -21,7 +21,7 @@ from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
 TAIL = 4000  # characters of stdout and stderr kept with a measurement
 RESULT_SCAN = 8 << 20  # bytes at the end of stdout searched for the result line
 MAX_DEPTH = 64  # nesting a result line may have; deeper is refused, not parsed into a crash later
-MAX_DIGITS = 1000  # digits an integer in a result line may have
+MAX_DIGITS = 300  # digits an integer in a result line may have: any such integer fits a float
 
 
 class UnreadableResult(ValueError):

@@ -77,7 +77,8 @@ def test_a_long_result_line_is_read_whole_while_the_stored_tail_stays_bounded(tm
     ('print(json.dumps({"score": 12.5, "pad": "z" * 9000}))', True, "measured"),
     ('print(json.dumps({"score": 12.5}), file=sys.stderr)', False, "a JSON line on stderr does not count"),
     ('print(\'{"score": 1e999}\')', False, "no finite number at 'score'"),
-    ('print(\'{"score": 1\' + "0" * 400 + "}")', False, "no finite number at 'score'"),
+    ('print(\'{"score": 1\' + "0" * 299 + "}")', True, "measured"),
+    ('print(\'{"score": 1\' + "0" * 300 + "}")', False, "an integer of 301 digits"),
     ('print(\'{"score": \' + "1" * 4400 + "}")', False, "an integer of 4400 digits"),
     ('print(json.dumps({"score": "12"}))', False, "no finite number at 'score' in its JSON result line (\"12\")"),
     ('print(json.dumps({"other": 1}))', False, "(missing)"),
@@ -86,7 +87,7 @@ def test_a_throughput_probe_uses_the_same_result_line(tmp_path, body, ok, messag
     out = probe(tmp_path, body, "throughput", "score")
     assert out.ok is ok and message in out.message, out
     if ok:
-        assert out.value == 12.5
+        assert out.value in (12.5, 1e299)
     else:
         assert out.reason == "probe_failed"
 
@@ -117,3 +118,20 @@ def test_a_run_rolls_back_a_candidate_whose_probe_reports_false_before_a_log_lin
     assert outcomes["speedup"] == ("kept", None)
     project.cli("rollback", "--all", check=0)
     assert tree(project.target) == before
+
+
+def test_a_run_goes_on_past_a_probe_whose_json_is_too_deep_to_read(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup", "no-gain"])
+    (project.path / "probes" / "correct.py").write_text(textwrap.dedent("""\
+        import os
+        if os.environ["ORCHESTRATOR_PLUGIN"] == "speedup":
+            print('{"passed": true, "x": ' + "[" * 100000 + "]" * 100000 + "}")
+        else:
+            print('{"passed": true}')
+        """))
+    proc = project.cli("run")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    steps = {s["plugin"]: s for s in project.status()["steps"]}
+    assert (steps["speedup"]["outcome"], steps["speedup"]["reason"]) == ("rolled_back", "probe_failed")
+    assert "its JSON result line is unreadable: JSON nested too deeply to parse" in steps["speedup"]["detail"]
+    assert steps["no-gain"]["reason"] == "no_gain"  # the next plugin was staged and judged
