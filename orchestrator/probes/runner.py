@@ -95,7 +95,7 @@ def find_result(path: Path) -> tuple[dict | None, str | None, str | None]:
         size = f.tell()
         f.seek(max(0, size - RESULT_SCAN))
         data = f.read()
-    lines = data.decode("utf-8", "replace").splitlines()
+    lines = data.decode("utf-8", "replace").split("\n")  # not splitlines(): a JSON string may hold U+2028
     if size > RESULT_SCAN and lines:
         lines = lines[1:]  # the first line is cut
     for line in reversed(lines):

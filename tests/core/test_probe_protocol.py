@@ -59,6 +59,7 @@ def test_a_correctness_probe_fails_closed_saying_what_it_read(tmp_path, case):
     'print("checking")\nprint(json.dumps({"passed": True, "message": "fine"}))\nprint("bye")\nprint("{not json}")',
     f'print(json.dumps({{"passed": True, "detail": "y" * {5 * TAIL}}}))',
     'print(json.dumps({"passed": False}))\nprint(json.dumps({"passed": True}))',
+    'print(json.dumps({"passed": True, "note": "a\\u2028b\\x0cc"}, ensure_ascii=False), end="\\r\\n")',
 ])
 def test_a_correctness_probe_passes_only_with_literal_true_on_its_last_json_line(tmp_path, body):
     out = probe(tmp_path, body)
