@@ -1,2 +1,2 @@
-"""Benchmark scripts of the orchestrator core, run from the repository root (`python -m benchmarks.NAME`); each
-one's results are in the Markdown file of the same name beside it."""
+"""Benchmark and measurement scripts, run from the repository root (`python -m benchmarks.NAME`); their results
+are the Markdown files beside them (overhead.md for overhead.py, decisions.md for decisions.py, ...)."""
