@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator import decide
+from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
-from orchestrator.config import ProbeSpec
 from orchestrator.measure import (ArmFailed, EnvironmentFailed, Measurer, Verdict, describe, failure, guardrail_vetoes,
                                   numbers)
 from orchestrator.plugin import Plugin, Variant
@@ -165,7 +165,7 @@ class Stager:
         the candidate's; when it fails too, the environment is at fault: roll back as environment_failed and
         stop the run (EnvironmentFailed)."""
         self.journal.show(step_id, "pre")
-        control = self.measurer.control(spec, step_id, name)
+        control = self.measurer.control(spec, step_id, f"(control of {name})")
         self.store.set_step(step_id, control=dumps({"probe": spec.name, "passed": control.ok, "reason": control.reason,
                                                     "detail": failure(control)}))
         if control.ok:

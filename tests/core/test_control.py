@@ -101,6 +101,7 @@ def test_an_environment_failure_mid_run_stops_it_and_the_next_run_continues(tmp_
     assert arms == [("b", "correct", "control", 1), ("c", probe, "control", 0)]
     log = (project.path / "probe-log.txt").read_text()
     assert " d\n" not in log and "(final)" not in log  # nothing staged or re-measured after the stop
+    assert "correct (control of b)\n" in log and f"{probe} (control of c)\n" in log  # what the probes are told
 
     # the environment is repaired: the next run continues where the first stopped
     (project.path / "flag").unlink()
