@@ -16,6 +16,9 @@ from typing import Any, Callable
 import psutil
 
 TAIL = 4000
+# What a failing probe may report as its JSON "reason": a server it started that never became healthy
+# (timeout) or exited (crashed) is judged like a probe that ran out of time or died.
+REPORTED_REASONS = ("timeout", "crashed")
 
 
 @dataclass
@@ -138,7 +141,10 @@ def judge_output(role: str, objective: str | None, result: ProcessResult, timeou
     metrics = data if isinstance(data, dict) else {}
     failed = "incorrect" if role == "correctness" else "probe_failed"
     if result.returncode != 0:
-        return ProbeResult(False, failed, f"exited with status {result.returncode}", metrics, process=result)
+        # a probe that waited on something (a server starting) may say why it gave up
+        reported = metrics.get("reason")
+        return ProbeResult(False, reported if reported in REPORTED_REASONS else failed,
+                           f"exited with status {result.returncode}", metrics, process=result)
     if role == "correctness":
         if metrics.get("passed") is False:
             return ProbeResult(False, "incorrect", str(metrics.get("message") or 'reported "passed": false'),
