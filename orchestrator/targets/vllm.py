@@ -47,6 +47,7 @@ class VllmConfig(TargetConfig):
     server_timeout: int = Field(1800, ge=1)  # seconds for the serving benchmark once the server is up
     check_timeout: int = Field(600, ge=1)  # seconds for the greedy completions and the kernel check
     correctness: Literal["auto", "exact", "agreement"] = "auto"  # auto: agreement where numerics change
+    objective: str = "score"  # the serving probe's number to maximise (cpu_score on a shared CPU machine)
     workload: VllmWorkload = Field(default_factory=VllmWorkload)
 
 
@@ -153,7 +154,7 @@ class VllmTarget(Target):
              "command": ["python", "-m", "orchestrator.probes.greedy", "--reference", str(self.reference_path),
                          *self._server_source(base_url), "--startup-timeout", startup, "--mode", c.correctness,
                          *model]},
-            {"name": "serving", "role": "throughput", "timeout": margin + c.server_timeout, "objective": "score",
+            {"name": "serving", "role": "throughput", "timeout": margin + c.server_timeout, "objective": c.objective,
              "command": ["python", "-m", "orchestrator.probes.serving", *self._server_source(base_url),
                          "--health-timeout", startup, *model,
                          "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),

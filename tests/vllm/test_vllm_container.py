@@ -66,7 +66,7 @@ def test_first_start_writes_configs_stages_then_serves(box):
     assert project.target.kind == "vllm"
     assert project.plugins_dir == OPTIMIZATIONS and project.state_dir == state
     assert project.target.serve_config == state / "serve.yaml"
-    assert [p.name for p in project.probes] == ["kernels", "serving"]
+    assert [p.name for p in project.probes] == ["greedy", "serving"]  # live: each starts `vllm serve`
 
 
 def test_later_starts_keep_the_edited_configs(box):
