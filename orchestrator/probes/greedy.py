@@ -8,7 +8,9 @@ kernel check of every shim a plugin deployed into the vLLM package.
 The reference is recorded by the first run that finds none, only when the baseline is being probed
 (``ORCHESTRATOR_PLUGIN`` unset or ``baseline``): a candidate never defines what is right. Prompts
 are sent one at a time, so every state decodes each prompt at batch size one and batching changes
-no arithmetic between states.
+no arithmetic between states. The baseline is asked twice when recorded; where its two passes
+differ (a nondeterministic kernel), later comparisons are by agreement, since equality would fail
+the baseline itself.
 
 Modes: ``exact`` (every prompt's tokens and text equal the reference's) unless the probed state
 holds a plugin that declares it changes numerics (``$ORCHESTRATOR_CHANGES_NUMERICS`` names them),
@@ -89,11 +91,11 @@ def complete(client: httpx.Client, base_url: str, model: str, prompt: list[int],
 
 
 def generate(base_url: str, model: str | None, prompts: list[list[int]], max_tokens: int,
-             timeout: float) -> tuple[str, list[dict]]:
-    """(model name, completions), one request at a time."""
+             timeout: float, passes: int = 1) -> tuple[str, list[list[dict]]]:
+    """(model name, the completions of each pass over the prompts), one request at a time."""
     with httpx.Client(timeout=timeout) as client:
         model = model or served_model(client, base_url)
-        return model, [complete(client, base_url, model, p, max_tokens) for p in prompts]
+        return model, [[complete(client, base_url, model, p, max_tokens) for p in prompts] for _ in range(passes)]
 
 
 # ---------------------------------------------------------------- the reference
@@ -233,22 +235,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def serve_and_generate(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[str, list[dict], dict]:
-    """(model, completions, facts about the server) from ``--base-url`` or a server of our own."""
+def serve_and_generate(args: argparse.Namespace, prompts: list[list[int]],
+                       passes: int) -> tuple[str, list[list[dict]], dict]:
+    """(model, completions of each pass, facts about the server) from ``--base-url`` or a server of our own."""
     if args.base_url:
         url = args.base_url.rstrip("/")
         try:
             wait_healthy(url, args.startup_timeout)
         except ServerFailed as exc:
             raise ProbeFailure(str(exc), exc.reason) from None
-        model, outputs = generate(url, args.model, prompts, args.max_tokens, args.request_timeout)
+        model, outputs = generate(url, args.model, prompts, args.max_tokens, args.request_timeout, passes)
         return model, outputs, {"base_url": url}
     server = LiveServer(shlex.split(args.server_cmd), stop_timeout=args.stop_timeout,
                         log_dir=args.server_log_dir, log_label=server_label("greedy"))
     try:
         server.start()
         server.wait_healthy(args.startup_timeout)
-        model, outputs = generate(server.url, args.model, prompts, args.max_tokens, args.request_timeout)
+        model, outputs = generate(server.url, args.model, prompts, args.max_tokens, args.request_timeout, passes)
     except ServerFailed as exc:
         raise ProbeFailure(str(exc), exc.reason) from None
     except ProbeFailure as exc:
@@ -274,14 +277,20 @@ def run(args: argparse.Namespace) -> dict:
         raise ProbeFailure(f"{args.reference}: recorded with other prompts or max_tokens than this probe sends; "
                            "remove the file to record anew")
     mode, declared = mode_of(args)
-    model, outputs, facts = serve_and_generate(args, prompts)
+    # the baseline is asked twice: exact comparison means something only where it reproduces itself
+    model, passes, facts = serve_and_generate(args, prompts, 2 if reference is None else 1)
+    outputs = passes[0]
     checks = kernel_checks(args.check_kernels)  # once the server (if ours) has released the card
     result: dict = {"model": model, "reference": str(args.reference), "prompts": len(prompts), **facts}
     if reference is None:
+        deterministic = passes[0] == passes[1]
         write_atomically(args.reference, {"format": FORMAT, "model": model, "max_tokens": args.max_tokens,
-                                          "prompts": prompts, "outputs": outputs})
-        result.update(recorded=True, mode=mode, passed=True)
+                                          "prompts": prompts, "outputs": outputs, "deterministic": deterministic})
+        result.update(recorded=True, deterministic=deterministic, mode=mode, passed=True)
     else:
+        if mode == "exact" and reference.get("deterministic") is False:
+            mode = "agreement"
+            result["note"] = "the baseline's outputs differed between two passes: judged by agreement"
         result.update(recorded=False, changes_numerics=declared, **judge(reference, model, outputs, mode, args))
     result["kernel_checks"] = checks
     bad = [c for c in checks if not c.get("passed")]

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
@@ -49,6 +49,15 @@ class VllmConfig(TargetConfig):
     correctness: Literal["auto", "exact", "agreement"] = "auto"  # auto: agreement where numerics change
     objective: str = "score"  # the serving probe's number to maximise (cpu_score on a shared CPU machine)
     workload: VllmWorkload = Field(default_factory=VllmWorkload)
+
+    @field_validator("serve_args")
+    @classmethod
+    def _not_ours(cls, args: list[str]) -> list[str]:
+        """The probes choose the config file, host and port of every server they start."""
+        taken = [a for a in args if a.split("=")[0] in ("--config", "--host", "--port")]
+        if taken:
+            raise ValueError(f"{taken[0].split('=')[0]} is set by the probes; remove it from serve_args")
+        return args
 
 
 def find_package() -> Path:

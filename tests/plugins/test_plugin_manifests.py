@@ -138,7 +138,7 @@ def test_vllm_serve_plugins_check_their_option_verify_and_roll_back(tmp_path):
             assert [s.body.run[-2:] for s in variant.rollback] == [["check", "serve.yaml"]], pid
         assert m.changes_numerics == (pid == "kv-cache-fp8"), pid
     assert [v.params for v in plugins["max-num-seqs-search"].variants] == [
-        {"max_num_seqs": n} for n in (128, 512, 1024)]
+        {"max_num_seqs": n} for n in (512, 1024)]
 
 
 def test_changes_numerics_reaches_the_probe_environment(tmp_path):

@@ -118,3 +118,19 @@ def test_deployed_kernel_shims_are_checked(served, tmp_path):
     rc, out, _ = probe("--lengths", "3", "--max-tokens", "4", ORCHESTRATOR_ROOT_VLLM=str(package))
     assert rc == 1 and out["recorded"] and "kernels.check failed" in out["error"]
     assert [(c.get("passed"), "no_such_variant" in json.dumps(c)) for c in out["kernel_checks"]] == [(False, True)]
+
+
+def test_a_baseline_that_does_not_reproduce_itself_is_judged_by_agreement(served):
+    """Recorded as nondeterministic (its two passes differed): exact comparison would fail the
+    baseline itself, so later candidates are judged by agreement, and say so."""
+    probe, folder = served
+    rc, out, _ = probe("--lengths", "5", "9", "--max-tokens", "6")
+    assert rc == 0 and out["deterministic"] is True
+    reference = json.loads((folder / "ref.json").read_text())
+    assert reference["deterministic"] is True
+    reference["deterministic"] = False
+    reference["outputs"][0]["token_ids"][-1] = reference["outputs"][0]["token_ids"][-1] ^ 1  # a late difference
+    (folder / "ref.json").write_text(json.dumps(reference))
+    rc, out, _ = probe("--lengths", "5", "9", "--max-tokens", "6", ORCHESTRATOR_PLUGIN="candidate")
+    assert rc == 0 and out["mode"] == "agreement" and "differed between two passes" in out["note"]
+    assert out["first_divergence"] == [5, 6]

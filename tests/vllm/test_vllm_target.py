@@ -86,6 +86,12 @@ def test_probes_against_a_running_server_start_none(deployment):
     assert server.env == {"A": "1"} and server.stop_timeout == 30 and server.log_dir == deployment / "state" / "server-logs"
 
 
+@pytest.mark.parametrize("args", [["--port", "8000"], ["--host=0.0.0.0"], ["--config", "other.yaml"]])
+def test_serve_args_may_not_take_what_the_probes_set(args):
+    with pytest.raises(Exception, match=f"{args[0].split('=')[0]} is set by the probes"):
+        VllmTarget.Config(kind="vllm", serve_args=["--max-model-len", "4096", *args])
+
+
 def test_python_in_the_serve_command_is_this_interpreter(deployment):
     target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml",
                   serve_command=["python3", "-m", "vllm.entrypoints.cli.main", "serve"])
@@ -212,3 +218,18 @@ def test_signature_markers():
 
     fn = ast.parse("def f(a, /, b, *c, d, **e): pass").body[0]
     assert patchcheck.signature(fn) == ["a", "/", "b", "*c", "d", "**e"]
+
+
+def test_a_bad_live_field_is_refused_before_anything_changes(deployment):
+    serve = deployment / "conf" / "serve.yaml"
+    before = serve.read_bytes()
+    (deployment / "orchestrator.yaml").write_text(
+        "target: {kind: vllm, package: site/vllm, serve_config: conf/serve.yaml,\n"
+        "         serve_args: [--max-model-len, '4096', --port, '8000'], startup_timeout: 60}\n")
+    result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
+                            cwd=deployment, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert "orchestrator.yaml" in result.stderr and "target.serve_args" in result.stderr
+    assert "--port is set by the probes" in result.stderr
+    assert serve.read_bytes() == before and not (deployment / "state").exists()
