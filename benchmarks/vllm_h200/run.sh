@@ -13,14 +13,13 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
-SITE=/tmp/site          # vLLM 0.34.0 and what it needs (serve.sh unpacks it)
-OWN=/tmp/orchestrator-site  # the orchestrator's wheels (.whl/), installed here once
+SITE=/tmp/site          # vLLM 0.34.0 and what it needs (serve.sh unpacks it); the orchestrator's wheels join it
 WORK=/tmp/h200-run      # serve config, state, logs (paths in orchestrator.yaml)
 CONFIG=$HERE/orchestrator.yaml
 
-# vLLM's payload before the orchestrator's own wheels: the packages both carry have the same versions
-# (benchmarks/make_wheels.sh), and vLLM's are the ones it was tested with.
-export PYTHONPATH="$REPO:$SITE:$OWN"
+# One folder for both: the wheels the payload also carries have the payload's versions
+# (benchmarks/make_wheels.sh), so installing them there replaces nothing vLLM was tested with.
+export PYTHONPATH="$REPO:$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
     PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
 export PATH="$(dirname "$(command -v python3)"):$PATH"
@@ -48,10 +47,10 @@ stop_payload_server() {
 setup() {
     [[ -f $SITE/vllm/engine/arg_utils.py ]] || die "no vLLM in $SITE: run ../shared/vllm-h200/serve.sh first"
     [[ -f /tmp/qwen36/config.json ]] || die "no model folder /tmp/qwen36: run ../shared/vllm-h200/serve.sh first"
-    if [[ ! -f $OWN/.installed ]]; then
+    if [[ ! -f $WORK/.wheels-installed ]]; then
         compgen -G "$REPO/.whl/*.whl" >/dev/null || die "no $REPO/.whl: run benchmarks/make_wheels.sh where pip works"
-        python3 -m pip install -q --no-index --no-deps --target "$OWN" "$REPO"/.whl/*.whl
-        touch "$OWN/.installed"
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$REPO"/.whl/*.whl
+        mkdir -p "$WORK" && touch "$WORK/.wheels-installed"
     fi
     python3 -c "import orchestrator.cli, sqlite_utils, ruamel.yaml, pydantic, fastapi, torch
 print('python', __import__('sys').version.split()[0], 'torch', torch.__version__, 'pydantic', pydantic.VERSION,

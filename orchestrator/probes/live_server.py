@@ -87,6 +87,7 @@ class LiveServer:
         self.env, self.cwd, self.stop_timeout = env, cwd, stop_timeout
         self.log_dir, self.log_label = (Path(log_dir) if log_dir else None), log_label
         self.proc: subprocess.Popen | None = None
+        self.started: float | None = None  # time.monotonic() at start
         self.log_path: Path | None = None
         self.stopped_by: str | None = None  # once stopped: SIGTERM, SIGKILL, or exited (gone before)
         self.leftover: list[int] = []
@@ -114,6 +115,7 @@ class LiveServer:
             with os.fdopen(fd, "wb") as log:
                 log.write(f"$ {shlex.join(self.argv)}\n".encode())
                 log.flush()
+                self.started = time.monotonic()
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, start_new_session=True,
                                              env=self.env, cwd=self.cwd, preexec_fn=_die_with_parent)
@@ -139,6 +141,10 @@ class LiveServer:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - limit))
             return f.read().decode("utf-8", "replace")
+
+    def age(self) -> float | None:
+        """Seconds since the server command was started (at health: its start-up time)."""
+        return None if self.started is None else time.monotonic() - self.started
 
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc else None

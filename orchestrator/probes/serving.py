@@ -21,7 +21,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -320,12 +320,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests per second, Poisson arrivals (default: all at once)")
     p.add_argument("--max-concurrency", type=int, default=w.max_concurrency)
     p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--windows", type=int, default=1,
+                   help="measured passes on the one server, each from its own prompts; the best is reported")
+    p.add_argument("--best-of", default="score", choices=["score", "cpu_score", "output_throughput"],
+                   help="the figure that picks the best pass (default: score)")
+    p.add_argument("--warmup", action="store_true",
+                   help="before the measured window, one concurrent batch of other prompts shaped like the "
+                        "workload (compiles per-shape kernels outside the window)")
     p.add_argument("--max-failed-fraction", type=float, default=0.0,
                    help="the probe fails when more than this fraction of requests fail")
     p.add_argument("--output-weight", type=float, default=DEFAULT_WEIGHTS[0])
     p.add_argument("--input-weight", type=float, default=DEFAULT_WEIGHTS[1])
     p.add_argument("--cached-weight", type=float, default=DEFAULT_WEIGHTS[2])
     args = p.parse_args(argv)
+    if args.windows < 1:
+        p.error("--windows must be at least 1")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be at least 1")
     if not 0.0 <= args.shared_prefix_fraction < 1.0:
@@ -357,11 +366,22 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     return engine_server_argv(config, "{host}", "{port}")
 
 
-async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer | None) -> dict:
-    model = args.model or await served_model(base_url)
-    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                        args.shared_prefix_fraction, *args.token_id_range, args.request_rate,
-                        args.max_concurrency, args.seed)
+async def warm_up(base_url: str, model: str, workload: Workload, request_timeout: float) -> float:
+    """One concurrent batch shaped like the workload, from other prompts (its prefixes do not
+    prime the measured ones): kernels that compile per shape at first use (Triton's JIT) do so
+    here instead of inside the measured window. Returns its wall time."""
+    batch = min(workload.num_prompts, workload.max_concurrency or workload.num_prompts)
+    warm = replace(workload, num_prompts=batch, output_len=min(workload.output_len, 16),
+                   request_rate=math.inf, seed=workload.seed + 1_000_003)
+    outcomes, duration, _ = await drive(base_url, model, warm, request_timeout)
+    if not any(o.success for o in outcomes):
+        raise ProbeError(f"every warm-up request failed: {sorted({o.error for o in outcomes})[:3]}")
+    return duration
+
+
+async def measure_window(base_url: str, model: str, workload: Workload, args: argparse.Namespace,
+                         server: LiveServer | None) -> dict:
+    """One measured pass of ``workload``: `vllm bench serve`'s fields, the score, CPU figures."""
     hits_before = await prefix_cache_hits(base_url)
     outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout,
                                           server.cpu_seconds if server is not None else lambda: None)
@@ -380,9 +400,41 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
                    "output_len": workload.output_len,
                    "shared_prefix_fraction": workload.shared_prefix_fraction,
                    "seed": workload.seed, "cached_tokens_source": source})
+    return with_cpu(with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight)), cpu)
+
+
+WINDOW_FIELDS = ("seed", "duration", "completed", "failed", "output_throughput", "score", "server_cpu_seconds",
+                 "cpu_score")
+
+
+async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer | None) -> dict:
+    """``--windows`` passes of the workload on one healthy server, each from its own prompts (its own
+    seed), reported as the best by ``--best-of``: interference from other processes on a shared
+    machine only ever slows a pass down, so the fastest one is the least disturbed."""
+    ready = server.age() if server is not None else None
+    model = args.model or await served_model(base_url)
+    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                        args.shared_prefix_fraction, *args.token_id_range, args.request_rate,
+                        args.max_concurrency, args.seed)
+    warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
+    windows = []
+    for i in range(args.windows):
+        windows.append(await measure_window(base_url, model, replace(workload, seed=args.seed + 7919 * i),
+                                            args, server))
+        if failure(windows[-1], args.max_failed_fraction):
+            break  # a failing server is reported as it is, not retried into a pass
+    failed = next((w for w in windows if failure(w, args.max_failed_fraction)), None)
+    result = failed or max(windows, key=lambda w: w.get(args.best_of, 0))
+    if args.windows > 1:
+        result = {**result, "best_of": args.best_of,
+                  "windows": [{k: w[k] for k in WINDOW_FIELDS if k in w} for w in windows]}
+    if ready is not None:
+        result["server_ready_seconds"] = ready
+    if warmup is not None:
+        result["warmup_seconds"] = warmup
     if server is not None and (code := server.exited()) is not None:
         result["server_exit_code"] = code
-    return with_cpu(with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight)), cpu)
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:

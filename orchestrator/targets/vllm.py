@@ -47,7 +47,9 @@ class VllmConfig(TargetConfig):
     server_timeout: int = Field(1800, ge=1)  # seconds for the serving benchmark once the server is up
     check_timeout: int = Field(600, ge=1)  # seconds for the greedy completions and the kernel check
     correctness: Literal["auto", "exact", "agreement"] = "auto"  # auto: agreement where numerics change
-    objective: str = "score"  # the serving probe's number to maximise (cpu_score on a shared CPU machine)
+    # the serving probe's number to maximise: score (weighted tokens per wall second), or cpu_score (per second
+    # of the server's own CPU time, which other processes on a shared CPU machine do not stretch)
+    objective: Literal["score", "cpu_score", "output_throughput"] = "score"
     workload: VllmWorkload = Field(default_factory=VllmWorkload)
 
     @field_validator("serve_args")
@@ -168,7 +170,8 @@ class VllmTarget(Target):
                          "--health-timeout", startup, *model,
                          "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),
                          "--output-len", str(w.output_len), "--shared-prefix-fraction", str(w.shared_prefix_fraction),
-                         "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed)]},
+                         "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed),
+                         "--windows", str(w.windows), "--best-of", c.objective, *(["--warmup"] if w.warmup else [])]},
         ]
 
     def default_probes(self) -> list[dict[str, Any]]:

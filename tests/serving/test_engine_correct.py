@@ -191,3 +191,23 @@ def test_close_frees_the_model(tmp_path):
     with llm:
         assert llm.generate([[1, 2, 3]], 2)
     assert llm.engine is None and model() is None
+
+
+def test_passed_kernel_checks_are_remembered_per_kernel_source(tmp_path, monkeypatch):
+    cache = tmp_path / "checks.json"
+    cfg = load_config(config(tmp_path, "c"))
+    first = engine_correct.KernelChecks(cfg, "auto", cache).run({"moe-dispatch": "sorted",
+                                                                 "attention-decode": "no_such"})
+    assert [r.get("cached", False) for r in first] == [False, False]
+    stored = json.loads(cache.read_text())
+    assert len(stored) == 1 and next(iter(stored)).endswith("/cpu/float32/small/moe/sorted")  # failures aren't kept
+    spawned = []
+    real_popen = engine_correct.subprocess.Popen
+    monkeypatch.setattr(engine_correct.subprocess, "Popen", lambda argv, **kw: spawned.append(argv) or real_popen(argv, **kw))
+    again = {r["variant"]: r for r in engine_correct.KernelChecks(cfg, "auto", cache).run(
+        {"moe-dispatch": "sorted", "attention-decode": "no_such"})}
+    assert again["sorted"]["cached"] is True and again["sorted"]["passed"] is True
+    assert again["no_such"]["passed"] is False and len(spawned) == 1  # only the failed one ran again
+    monkeypatch.setattr(engine_correct, "kernels_digest", lambda: "changed-source")
+    rerun = engine_correct.KernelChecks(cfg, "auto", cache).run({"moe-dispatch": "sorted"})
+    assert rerun[0].get("cached") is None and rerun[0]["passed"] and len(spawned) == 2
