@@ -98,10 +98,12 @@ def test_probe_reports_a_start_up_timeout_as_its_reason(marker):
     cmd = f"{PY} -c \"import time; time.sleep(600)\" {{port}} {marker}"
     rc, out, _ = run_probe("--server-cmd", cmd, "--health-timeout", "2")
     assert rc == 1 and out["reason"] == "timeout"
-    judged = judge_output("throughput", "score", ProcessResult(1, False, 1.0, json.dumps(out), ""), 60)
-    assert judged.reason == "timeout"
-    crashed = judge_output("correctness", None, ProcessResult(1, False, 1.0, '{"passed": false, "reason": "crashed"}', ""), 60)
-    assert crashed.reason == "crashed"
-    other = judge_output("correctness", None, ProcessResult(1, False, 1.0, '{"passed": false, "reason": "kept"}', ""), 60)
+    def finished(result: dict) -> ProcessResult:
+        return ProcessResult(1, False, 1.0, json.dumps(result), "", result=result)
+
+    judged = judge_output("throughput", "score", finished(out), 60)
+    assert judged.reason == "timeout" and "did not answer /health" in judged.message
+    assert judge_output("correctness", None, finished({"passed": False, "reason": "crashed"}), 60).reason == "crashed"
+    other = judge_output("correctness", None, finished({"passed": False, "reason": "kept"}), 60)
     assert other.reason == "incorrect"  # only the reasons a probe may report are taken from it
     assert alive_with(marker) == []
