@@ -151,31 +151,13 @@ class LiveServer:
 
     def members(self) -> list[int]:
         """Live processes of the server's process group."""
-        if self.proc is None:
-            return []
-        pids = []
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == self.proc.pid and proc.status() != psutil.STATUS_ZOMBIE:
-                    pids.append(proc.pid)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        return pids
+        return group_members(self.proc.pid) if self.proc is not None else []
 
     def cpu_seconds(self) -> float | None:
-        """User plus system CPU time of every live process in the server's group so far; None
-        once the server is gone. On a shared machine this counts only the time the server really
-        ran, which other processes' load does not stretch as it stretches wall time."""
+        """CPU seconds of the server's group so far (``group_cpu_seconds``); None once it is gone."""
         if self.proc is None or self.exited() is not None:
             return None
-        total = 0.0
-        for pid in self.members():
-            try:
-                t = psutil.Process(pid).cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-        return total
+        return group_cpu_seconds(self.proc.pid)
 
     def wait_healthy(self, timeout: float, poll: float = 0.25) -> None:
         """Until ``GET /health`` answers 200; ServerFailed when the server exits first or ``timeout``
@@ -249,6 +231,35 @@ class LiveServer:
     def _drop_log(self) -> None:
         if self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return pids
+
+
+def group_cpu_seconds(pgid: int) -> float | None:
+    """User plus system CPU time of every live process in group ``pgid`` so far (None when none is
+    left). On a shared machine this counts only the time the server really ran, which other
+    processes' load does not stretch as it stretches wall time."""
+    members = group_members(pgid)
+    if not members:
+        return None
+    total = 0.0
+    for pid in members:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def health_ok(client: httpx.Client, base_url: str, timeout: float = 5.0) -> bool:

@@ -29,8 +29,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, on_sigterm, server_label,
-                                             wait_healthy)
+from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, group_cpu_seconds, on_sigterm,
+                                             server_label, wait_healthy)
 
 DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input tokens/s
 
@@ -304,6 +304,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="seconds between SIGTERM and SIGKILL when stopping the server")
+    p.add_argument("--server-pid", type=int, help="with --base-url: the server's pid (its process group), "
+                   "whose CPU time gives cpu_score")
     p.add_argument("--server-log-dir", type=Path,
                    help="keep the server's log in this folder (default: a temporary file, removed)")
     w = Workload()
@@ -383,8 +385,9 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
                          server: LiveServer | None) -> dict:
     """One measured pass of ``workload``: `vllm bench serve`'s fields, the score, CPU figures."""
     hits_before = await prefix_cache_hits(base_url)
+    clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
     outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout,
-                                          server.cpu_seconds if server is not None else lambda: None)
+                                          clock.cpu_seconds if clock is not None else lambda: None)
     ok = [o for o in outcomes if o.success]
     if ok and all(o.cached_tokens is not None for o in ok):
         cached, source = sum(o.cached_tokens for o in ok), "usage"
@@ -405,6 +408,16 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
 
 WINDOW_FIELDS = ("seed", "duration", "completed", "failed", "output_throughput", "score", "server_cpu_seconds",
                  "cpu_score")
+
+
+class RunningServer:
+    """A server this probe did not start (``--base-url``), known by its pid: its CPU clock only."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def cpu_seconds(self) -> float | None:
+        return group_cpu_seconds(self.pid)
 
 
 async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer | None) -> dict:

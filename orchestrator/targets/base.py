@@ -52,8 +52,8 @@ class Target:
         (see ``probes_against``); None when the default probes start nothing shareable."""
         return None
 
-    def probes_against(self, base_url: str) -> list[dict[str, Any]]:
-        """The default probes aimed at a server already running at ``base_url``."""
+    def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
+        """The default probes aimed at a server already running at ``base_url`` (``server_pid``: its pid)."""
         return self.default_probes()
 
     def resolve(self, path: str) -> Path:

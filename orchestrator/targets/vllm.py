@@ -155,7 +155,7 @@ class VllmTarget(Target):
         return ["--server-cmd", shlex.join(self.serve_argv()), "--stop-timeout", f"{self.config.stop_timeout:g}",
                 "--server-log-dir", str(self.server_logs)]
 
-    def _probes(self, base_url: str | None) -> list[dict[str, Any]]:
+    def _probes(self, base_url: str | None, server_pid: int | None = None) -> list[dict[str, Any]]:
         c, w = self.config, self.config.workload
         startup = f"{c.startup_timeout:g}"
         model = ["--model", c.served_model_name] if c.served_model_name else []
@@ -167,6 +167,7 @@ class VllmTarget(Target):
                          *model]},
             {"name": "serving", "role": "throughput", "timeout": margin + c.server_timeout, "objective": c.objective,
              "command": ["python", "-m", "orchestrator.probes.serving", *self._server_source(base_url),
+                         *(["--server-pid", str(server_pid)] if base_url and server_pid else []),
                          "--health-timeout", startup, *model,
                          "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),
                          "--output-len", str(w.output_len), "--shared-prefix-fraction", str(w.shared_prefix_fraction),
@@ -179,10 +180,11 @@ class VllmTarget(Target):
         against the baseline's (plus the kernel check of deployed shims), then the serving benchmark."""
         return self._probes(None)
 
-    def probes_against(self, base_url: str) -> list[dict[str, Any]]:
+    def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
         """The default probes aimed at a server already running at ``base_url`` (one start serves the
-        correctness probe and the first throughput sample of a state)."""
-        return self._probes(base_url)
+        correctness probe and the first throughput sample of a state); with the server's pid the
+        serving probe also reports its CPU time (cpu_score)."""
+        return self._probes(base_url, server_pid)
 
 
 def _config_has_model(path: Path) -> bool:

@@ -78,7 +78,9 @@ def test_probes_against_a_running_server_start_none(deployment):
         cmd = probe["command"]
         assert cmd[cmd.index("--base-url") + 1] == "http://127.0.0.1:8123"
         assert "--server-cmd" not in cmd and "--stop-timeout" not in cmd
-    assert target.probes_against("http://x")[1]["objective"] == "cpu_score"
+    serving = target.probes_against("http://x", 4321)[1]
+    assert serving["objective"] == "cpu_score" and serving["command"][serving["command"].index("--server-pid") + 1] == "4321"
+    assert "--server-pid" not in target.default_probes()[1]["command"]
     server = target.live_server({"A": "1"}, label="shared")
     assert server.proc is None  # not started
     assert server.argv[:4] == ["vllm", "serve", "--config", str(deployment / "conf" / "serve.yaml")]
