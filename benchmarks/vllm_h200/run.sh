@@ -66,7 +66,7 @@ case ${1:-} in
         shift
         alive "$WORK/run.pid" && die "a run is going (pid $(cat "$WORK/run.pid")): poll with 'run.sh status'"
         setup
-        orch plugins
+        orch plugins list
         setsid nohup python3 -m orchestrator.cli run --config "$CONFIG" "$@" > "$WORK/run.log" 2>&1 < /dev/null &
         echo $! > "$WORK/run.pid"
         echo "orchestrator run started (pid $(cat "$WORK/run.pid")), log $WORK/run.log"
