@@ -64,12 +64,29 @@ def kv_cache_fits_vllm(root: Path, serve_config: str, seqs: int, tokens: int) ->
     total = gpu_memory()
     if total is None:
         return not_verifiable("no GPU is visible and the serve config sets no kv-cache-memory-bytes")
-    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    weights, what = weight_bytes(folder, hf)
     if not weights:
-        return not_verifiable(f"no *.safetensors weights in {folder} to subtract from GPU memory")
+        return not_verifiable(f"no *.safetensors weights in {folder} to subtract from GPU memory, and {what}")
     util = float(options.get("gpu-memory-utilization", 0.9))
     return report(seqs, tokens, per_token, total * util - weights,
-                  f"{util} x {total / GIB:.1f} GiB less {weights / GIB:.1f} GiB of weights")
+                  f"{util} x {total / GIB:.1f} GiB less {weights / GIB:.1f} GiB of {what}")
+
+
+def weight_bytes(folder: Path, hf: dict) -> tuple[float, str]:
+    """(bytes the weights take on the GPU, what they are): their files' size, else, for a folder
+    with no weight files (served with --load-format dummy: random weights of the same shapes), the
+    parameter count of its config.json at the model's dtype."""
+    files = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    if files:
+        return files, "weights"
+    from engine.model_config import ModelConfigError, from_hf_config
+
+    try:
+        params = from_hf_config(folder / "config.json").num_params()
+    except ModelConfigError as exc:
+        return 0, f"its parameters cannot be counted: {exc}"
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    return params * DTYPE_BYTES.get(dtype, 2), f"weights ({params / 1e9:.1f}B parameters of config.json; no weight files)"
 
 
 def not_verifiable(why: str) -> bool:

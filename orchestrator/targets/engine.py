@@ -25,9 +25,11 @@ def shipped_baseline() -> Path:
     return Path(str(importlib.resources.files("engine").joinpath("configs", "baseline.yaml")))
 
 
-def server_argv(config: str, host: str, port: int) -> list[str]:
+def server_argv(config: str, host: str, port: int | str) -> list[str]:
     """The engine's OpenAI-compatible server serving ``config``."""
     return [sys.executable, "-m", SERVER_MODULE, "--config", config, "--host", host, "--port", str(port)]
+
+
 
 SERVE_CONFIG = "serve.yaml"
 
