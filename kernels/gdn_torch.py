@@ -31,9 +31,9 @@ def _recurrent(q, k, v, g, beta, s, scale):
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(v.shape[1]):
         s = s * g[:, t].exp()[..., None, None]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, t]))
+        u = beta[:, t, :, None] * (v[:, t] - (k[:, t, :, None, :] @ s)[..., 0, :])
         s = s + k[:, t, :, :, None] * u[:, :, None, :]
-        out[:, t] = scale * torch.einsum("bhkv,bhk->bhv", s, q[:, t])
+        out[:, t] = scale * (q[:, t, :, None, :] @ s)[..., 0, :]
     return out, s
 
 
@@ -46,6 +46,8 @@ def _chunk(q, k, v, g, beta, s, scale, chunk):
     D_rs = exp(c_r - c_s) (s <= r), and S' = exp(c_last) S + (K exp(c_last - c))^T U.
     """
     b, t, h, dk = q.shape
+    if t == 0:
+        return v.new_zeros(v.shape, dtype=torch.float32), s
     pad = -t % chunk
     q, k, v, g, beta = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
                         for x in (q, k, v, g, beta))  # [B, H, T', ...]; padded tokens have beta 0

@@ -97,9 +97,9 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
         s = buf[slot].double()  # [H, K, V]
         for t in range(a, b):
             s = s * gf[t].exp()[:, None, None]
-            u = bf[t][:, None] * (vf[t] - torch.einsum("hkv,hk->hv", s, kf[t]))
+            u = bf[t][:, None] * (vf[t] - (kf[t][:, None, :] @ s)[:, 0])  # v - S^T k, per head
             s = s + kf[t][:, :, None] * u[:, None, :]
-            out[t] = scale * torch.einsum("hkv,hk->hv", s, qf[t])
+            out[t] = scale * (qf[t][:, None, :] @ s)[:, 0]
         buf[slot] = s.to(buf.dtype)
     o = out.reshape(v.shape).to(q.dtype)
     return o, (buf if returned and output_final_state else None)
