@@ -11,6 +11,7 @@ from engine.config import EngineConfig, load_config
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.state_cache import StateSlots
 
 
 @dataclass
@@ -28,8 +29,9 @@ class LLMEngine:
         self.model_runner = ModelRunner(self.config)
         self.kernel_choice: dict[str, str] = dict(self.model_runner.kernels.choice)
         self.scheduler = Scheduler(
-            BlockManager(self.model_runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching),
-            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens)
+            BlockManager(self.model_runner.num_blocks, self.config.block_size, self.config.prefix_caching),
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            state_slots=StateSlots(self.model_runner.num_state_slots) if self.config.hf.is_hybrid else None)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._prompt_tokens = 0
