@@ -65,10 +65,15 @@ def _check_inputs(key: str, model: ModelConfig, block_size: int, dtype, device, 
                       top_k=min(model.top_k, experts), dtype=dtype, device=device, seed=seed)
 
 
+def triton_runs(device: torch.device) -> bool:
+    """Whether the engine runs Triton kernels here: on a GPU, or interpreted when asked for."""
+    return device.type == "cuda" or kernels.INTERPRET_REQUESTED
+
+
 def self_check(op: str, variant: str, args: dict, extra: dict) -> str | None:
     """None when ``variant`` matches the reference on ``args``, else why not."""
     device = next(v for v in args.values() if isinstance(v, torch.Tensor)).device
-    if device.type != "cuda" and kernels.uses_triton(op, variant) and not kernels.INTERPRET_REQUESTED:
+    if kernels.uses_triton(op, variant) and not triton_runs(device):
         # the interpreter would pass the check and then serve 10-100x slower than any torch variant
         return "Triton kernels need a CUDA device here (set TRITON_INTERPRET=1 to run them interpreted)"
     dtype = next(v for v in args.values() if isinstance(v, torch.Tensor)).dtype

@@ -239,6 +239,7 @@ def _hf_layer_types(raw: dict, path: Path) -> tuple[str, ...] | None:
 
 def resolve_model(model: str, base_dir: Path | None, num_layers: int | None) -> ModelConfig:
     """A preset name or a path (file, or folder holding config.json), with the depth overridden."""
+    where = model
     if model in PRESETS:
         cfg = PRESETS[model]
     else:
@@ -251,9 +252,15 @@ def resolve_model(model: str, base_dir: Path | None, num_layers: int | None) -> 
             raise ModelConfigError(
                 "model", f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing config.json")
         cfg = from_hf_config(path)
+        where = str(path)
     if num_layers is not None:
         cfg = replace(cfg, num_layers=num_layers)
-    _check(cfg)
+    try:
+        _check(cfg)
+    except ModelConfigError as exc:
+        if exc.key != "model":
+            raise
+        raise ModelConfigError("model", f"{where}: {exc}") from None
     return cfg
 
 

@@ -102,3 +102,45 @@ def test_the_kv_cache_holds_attention_layers_only():
     dense = LLM(tiny(**{"num-layers": 4})).engine.model_runner
     assert runner._block_bytes() * 4 == dense._block_bytes()
     assert runner.num_blocks == 4 * dense.num_blocks  # the same kv-cache-memory holds 4x the tokens
+
+
+def test_batch_rows_read_and_write_their_sequences_slots():
+    from engine.config import load_config
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledSeq
+    from engine.sequence import Sequence
+
+    runner = ModelRunner(load_config(hybrid(**{"decode-long-threshold": 20})))
+
+    def seq(rid, n, computed, blocks, slot):
+        s = Sequence(rid, list(range(n)), 4)
+        s.num_computed_tokens, s.block_table, s.state_slot = computed, blocks, slot
+        return s
+
+    prefill = ScheduledSeq(seq("p", 40, 16, [5, 6, 7], slot=6), 10)
+    fresh_prefill = ScheduledSeq(seq("f", 9, 0, [8], slot=1), 9)
+    long_ = ScheduledSeq(seq("l", 30, 29, [1, 2], slot=4), 1)
+    one_token_prompt = ScheduledSeq(seq("o", 1, 0, [3], slot=2), 1)  # a decode row computing its first token
+    _, _, meta, _ = runner.prepare([prefill, long_, fresh_prefill, one_token_prompt])
+    st = meta.state
+    assert st.num_decode == 2 and st.decode_slots.tolist() == [2, 4]  # short decodes, then long ones
+    assert st.prefill_slots.tolist() == [6, 1] and st.prefill_cu_seqlens.tolist() == [0, 10, 19]
+    assert st.prefill_spans == [(2, 12, 6), (12, 21, 1)]
+    assert sorted(st.fresh_slots.tolist()) == [1, 2]
+    decode_only = runner.prepare([long_])[2].state
+    assert decode_only.fresh_slots is None and decode_only.prefill_spans == []
+
+
+def test_abort_gives_the_slot_back():
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(hybrid(**{"max-num-seqs": 2}))
+    a = engine.add_request(list(range(30)), 5)
+    engine.add_request(list(range(9)), 5)
+    engine.step()
+    assert engine.scheduler.state_slots.num_free == 0
+    engine.abort(a)
+    assert engine.scheduler.state_slots.num_free == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.state_slots.num_free == 2
