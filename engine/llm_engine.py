@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.state_cache import StateSlots
+
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -28,6 +31,8 @@ class LLMEngine:
         self.config = load_config(config)
         self.model_runner = ModelRunner(self.config)
         self.kernel_choice: dict[str, str] = dict(self.model_runner.kernels.choice)
+        if self.config.enable_prefix_caching and not self.config.prefix_caching:
+            log.info("prefix caching is off: the model's Gated DeltaNet state after a prefix is not cached")
         self.scheduler = Scheduler(
             BlockManager(self.model_runner.num_blocks, self.config.block_size, self.config.prefix_caching),
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
