@@ -20,6 +20,8 @@ KERNEL_KEYS = {
     "attention-decode-long": "paged_decode",
     "attention-prefill": "prefix_prefill",
     "moe-dispatch": "moe",
+    "gdn-prefill": "gated_delta_rule",
+    "gdn-decode": "gated_delta_rule",
 }
 
 
@@ -63,6 +65,8 @@ class EngineConfig(BaseModel):
     prefill_block_n: int = Field(64, ge=1)
     prefill_num_warps: int = Field(4, ge=1)
     moe_dispatch: VariantChain = "sorted"
+    gdn_prefill: VariantChain = "chunk"  # Gated DeltaNet layers (hybrid models only)
+    gdn_decode: VariantChain = "recurrent"
 
     _source: str = PrivateAttr("<dict>")
     _model: ModelConfig | None = PrivateAttr(None)
@@ -82,7 +86,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"must be a power of two up to 512, got {v}")
         return v
 
-    @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch")
+    @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch", "gdn_prefill",
+                     "gdn_decode")
     @classmethod
     def _chain(cls, v: VariantChain) -> VariantChain:
         if isinstance(v, list) and not v:
@@ -103,6 +108,13 @@ class EngineConfig(BaseModel):
     @property
     def vocab_size(self) -> int:
         return self.hf.vocab_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching runs: asked for, and the model has no Gated DeltaNet layer. A
+        hybrid model's recurrent state after a prefix cannot be rebuilt from KV blocks, so a cache
+        hit would still have to recompute the whole prefix in those layers (and so in every layer)."""
+        return self.enable_prefix_caching and not self.hf.is_hybrid
 
     def chain(self, key: str) -> list[str]:
         """Variant names of a kernel key, in fallback order."""

@@ -1,4 +1,4 @@
-"""The project's attention and MoE kernels behind one lookup: ``variants(op)`` and ``get(op, variant)``.
+"""The project's attention, MoE and Gated DeltaNet kernels behind one lookup: ``variants(op)`` and ``get(op, variant)``.
 
 Variants are registered by dotted path and imported on first use, so that asking for a torch
 variant never imports Triton (which must see ``TRITON_INTERPRET`` before its first import).
@@ -9,7 +9,7 @@ import importlib
 import os
 from typing import Callable
 
-OPS = ("paged_decode", "prefix_prefill", "moe")
+OPS = ("paged_decode", "prefix_prefill", "moe", "gated_delta_rule")
 
 # op -> variant -> "module:function"; the first entry of each op is its float64 reference.
 _REGISTRY: dict[str, dict[str, str]] = {
@@ -32,6 +32,13 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "sorted": "kernels.moe_torch:moe_sorted",
         "grouped_mm": "kernels.moe_torch:moe_grouped_mm",
         "triton": "kernels.moe_triton:moe_triton",
+    },
+    "gated_delta_rule": {  # the contract: kernels/gdn.py
+        "reference": "kernels.reference:gated_delta_rule",
+        "recurrent": "kernels.gdn_torch:gated_delta_rule_recurrent",
+        "chunk": "kernels.gdn_torch:gated_delta_rule_chunk",
+        "triton_recurrent": "kernels.gdn_triton:gated_delta_rule_triton_recurrent",
+        "triton_chunk": "kernels.gdn_triton:gated_delta_rule_triton_chunk",
     },
 }
 

@@ -4,7 +4,9 @@
 
 Every call draws fresh random inputs over a shape list that holds the edges where kernels break
 (partition boundaries, partial blocks, empty contexts, experts with no token, GQA 4 and 8, head
-sizes 128 and 256). The last stdout line is one JSON object: passed, worst error, where it occurred.
+sizes 128 and 256; for the gated delta rule: packed sequences across chunk edges, states updated in
+place by slot with the other slots untouched, and a prefill continued by decode steps from its
+carried state). The last stdout line is one JSON object: passed, worst error, where it occurred.
 """
 from __future__ import annotations
 
@@ -38,6 +40,13 @@ FULL = {
         dict(seqs=[(8192, 16), (8193, 40)], **GQA8),
         dict(seqs=[(0, 511), (31, 600)], **GQA4),
     ],
+    "gated_delta_rule": [
+        dict(seq_lens=[100, 1, 64, 65, 300], num_heads=8, num_k_heads=4, head_k=64, head_v=64),
+        dict(seq_lens=[128, 128], num_heads=4, head_k=128, head_v=128, l2norm=False, initial_state=False),
+        dict(seq_lens=[1] * 6, num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True),  # Qwen3.6 decode
+        dict(seq_lens=[200, 3, 129], num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True),
+        dict(seq_lens=[70, 70], num_heads=4, num_k_heads=2, head_k=32, head_v=64, split=64),
+    ],
     "moe": [
         dict(tokens=1, hidden=256, experts=64, intermediate=128, top_k=8),
         dict(tokens=7, hidden=256, experts=64, intermediate=128, top_k=8, unused_experts=16),
@@ -57,6 +66,11 @@ SMALL = {
     "prefix_prefill": [
         dict(seqs=[(0, 9), (17, 20), (5, 1)], num_heads=4, num_kv_heads=2, head_size=32),
         dict(seqs=[(40, 33)], num_heads=8, num_kv_heads=1, head_size=16, block_size=8),
+    ],
+    "gated_delta_rule": [
+        dict(seq_lens=[20, 1, 70], num_heads=4, num_k_heads=2, head_k=16, head_v=32),
+        dict(seq_lens=[1] * 3, num_heads=4, num_k_heads=2, head_k=32, head_v=32, slots=True),
+        dict(seq_lens=[17, 17], num_heads=2, head_k=16, head_v=16, split=14),
     ],
     "moe": [
         dict(tokens=5, hidden=32, experts=8, intermediate=16, top_k=2, unused_experts=3),
@@ -98,20 +112,104 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               b.contiguous().view(-1).view(torch.uint8))
 
 
+def _parts(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _compare(out, ref_out, dtype) -> float:
+    """Worst relative error over the results; raises when one is missing, misshapen or mistyped."""
+    outs, refs = _parts(out), _parts(ref_out)
+    if len(outs) != len(refs) or (outs[0] is not None and outs[0].dtype != dtype):
+        raise AssertionError(f"results {_describe(out)} do not match {_describe(ref_out)} (first in {dtype})")
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        if (o is None) != (r is None) or (o is not None and o.shape != r.shape):
+            raise AssertionError(f"results {_describe(out)} do not match {_describe(ref_out)}")
+        if o is not None:
+            err = rel_error(o, r)
+            worst = err if not err <= worst else worst  # NaN sticks
+    return worst
+
+
+def _describe(out) -> str:
+    return ", ".join("None" if o is None else f"{tuple(o.shape)} {o.dtype}" for o in _parts(out))
+
+
+def _numel(out) -> int:
+    return sum(o.numel() for o in _parts(out) if o is not None)
+
+
+def _tensors(args: dict) -> dict:
+    return {k: v for k, v in args.items() if torch.is_tensor(v)}
+
+
 def check_one(fn: Callable, reference: Callable, args: dict) -> float:
-    """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed."""
-    before = {k: v.clone() for k, v in args.items() if torch.is_tensor(v)}
+    """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed.
+
+    A gated delta rule call with ``state_slots`` updates its state pool in place: there the pool's
+    slots are compared with the reference's, and every other slot must keep its bytes."""
+    if args.get("state_slots") is not None:
+        return check_slots(fn, reference, args)
+    before = {k: v.clone() for k, v in _tensors(args).items()}
     ref_out = reference(**as_float64(args))
-    _poison(ref_out.device.type, ref_out.numel())
+    _poison(_parts(ref_out)[0].device.type, _numel(ref_out))
     out = fn(**args)
     for k, v in before.items():
         if not _same_bytes(v, args[k]):
             raise AssertionError(f"input {k!r} was modified")
-    if out.shape != ref_out.shape or out.dtype != next(v for v in args.values() if torch.is_tensor(v)).dtype:
-        raise AssertionError(f"output {tuple(out.shape)} {out.dtype} does not match {tuple(ref_out.shape)}")
-    if out.data_ptr() in {v.data_ptr() for v in args.values() if torch.is_tensor(v)}:
+    err = _compare(out, ref_out, next(iter(before.values())).dtype)
+    inputs_at = {v.data_ptr() for v in before.values()} | {v.data_ptr() for v in _tensors(args).values()}
+    if any(o is not None and o.data_ptr() in inputs_at for o in _parts(out)):
         raise AssertionError("output aliases an input")
-    return rel_error(out, ref_out)
+    return err
+
+
+def check_slots(fn: Callable, reference: Callable, args: dict) -> float:
+    pool, slots = args["initial_state"], args["state_slots"]
+    before = {k: v.clone() for k, v in _tensors(args).items()}
+    ref_args = as_float64(args)
+    ref_args["initial_state"] = pool.double().clone()
+    ref_out = reference(**ref_args)
+    _poison(pool.device.type, _numel(ref_out))
+    out = fn(**args)
+    for k, v in before.items():
+        if k != "initial_state" and not _same_bytes(v, args[k]):
+            raise AssertionError(f"input {k!r} was modified")
+    rest = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    rest[slots.long()] = False
+    if not _same_bytes(pool[rest], before["initial_state"][rest]):
+        raise AssertionError("states outside state_slots were modified")
+    err = _compare(out, ref_out, args["q"].dtype)
+    state_err = rel_error(pool[slots.long()], ref_args["initial_state"][slots.long()])
+    return err if not err <= state_err else state_err
+
+
+def check_split(fn: Callable, reference: Callable, args: dict, split: int) -> float:
+    """A prefill of ``split`` tokens per sequence, then its final state carried into one decode step
+    per remaining token (states in a slot pool), against one reference call over all tokens."""
+    ref_o, ref_s = reference(**as_float64(args))
+    seq = ("q", "k", "v", "g", "beta")
+    first = {**args, **{k: args[k][:, :split] for k in seq}, "output_final_state": True}
+    o1, s1 = fn(**first)
+    n = args["q"].shape[0]
+    pool = torch.full((n + 2, *s1.shape[1:]), float("nan"), dtype=s1.dtype, device=s1.device)
+    slots = torch.randperm(n + 2, device=s1.device)[:n]
+    pool[slots] = s1
+    outs = [o1]
+    for t in range(split, args["q"].shape[1]):
+        step = {**args, **{k: args[k][:, t:t + 1] for k in seq}, "initial_state": pool, "state_slots": slots,
+                "output_final_state": False}
+        outs.append(fn(**step)[0])
+    err = _compare(torch.cat(outs, 1), ref_o, args["q"].dtype)
+    state_err = rel_error(pool[slots], ref_s)
+    return err if not err <= state_err else state_err
+
+
+def check_shape(op: str, fn: Callable, reference: Callable, shape: dict, dtype, device) -> float:
+    shape = dict(shape)
+    split = shape.pop("split", None)
+    args = make_inputs(op, shape, dtype, device)
+    return check_one(fn, reference, args) if split is None else check_split(fn, reference, args, split)
 
 
 def run(op: str, variant: str, device: str = "cpu", dtype=torch.float32, small: bool = False, seed=None) -> dict:
@@ -123,7 +221,7 @@ def run(op: str, variant: str, device: str = "cpu", dtype=torch.float32, small: 
     worst, where, failure = 0.0, None, None
     for shape in shape_list(op, device, small):
         try:
-            err = check_one(fn, reference, make_inputs(op, shape, dtype, device))
+            err = check_shape(op, fn, reference, shape, dtype, device)
         except Exception as exc:  # a crash is a failed check, reported with its shape
             failure, where, worst = f"{type(exc).__name__}: {exc}", shape, float("nan")
             break

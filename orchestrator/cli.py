@@ -115,7 +115,8 @@ def run(config: Optional[Path] = ConfigOpt,
         only: Optional[List[str]] = typer.Option(None, help="stage only these plugin ids (repeat or comma-separate)"),
         skip: Optional[List[str]] = typer.Option(None, help="do not stage these plugin ids"),
         preset: Optional[str] = typer.Option(None, help="embedded default: the engine's model preset "
-                                             "(tiny, small, qwen3.6-35b-a3b) or a config.json"),
+                                             "(tiny, tiny-hybrid, small, qwen3.6-35b-a3b, "
+                                             "qwen3.6-35b-a3b-dense) or a config.json"),
         device: Optional[str] = typer.Option(None, help="embedded default: the engine's device (cpu, cuda, cuda:N)"),
         dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
         num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth"),

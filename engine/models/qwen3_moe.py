@@ -1,8 +1,7 @@
-"""A Qwen3-MoE / Qwen3.6-shaped decoder: GQA attention with per-head q/k RMSNorm, partial rotary
-embedding and a sigmoid output gate, then the sparse MoE with its shared expert.
-
-Every layer is full attention: Qwen3.6 interleaves Gated DeltaNet (linear attention) layers,
-which this reference engine does not implement.
+"""A Qwen3-MoE / Qwen3.6-shaped decoder. Each layer mixes tokens with either GQA attention (per-head
+q/k RMSNorm, partial rotary embedding, a sigmoid output gate) or a Gated DeltaNet layer, as the
+model config's ``layer_types`` say (Qwen3.6: three Gated DeltaNet layers, then one attention layer),
+then runs the sparse MoE with its shared expert.
 """
 from __future__ import annotations
 
@@ -13,10 +12,11 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.kernel_choice import Kernels
 from engine.layers.attention import PagedAttention
+from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.layernorm import RMSNorm
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from engine.model_config import ModelConfig
+from engine.model_config import LINEAR_ATTENTION, ModelConfig
 
 
 class Attention(nn.Module):
@@ -51,17 +51,23 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, kind: str):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, kernels)
+        if kind == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(cfg, kernels)
+        else:
+            self.self_attn = Attention(cfg, kernels)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size,
                                   cfg.shared_expert_intermediate_size, cfg.norm_topk_prob, kernels)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_norm(x), meta)
+        if hasattr(self, "linear_attn"):
+            x = x + self.linear_attn(self.input_norm(x), meta)
+        else:
+            x = x + self.self_attn(rope, self.input_norm(x), meta)
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -70,7 +76,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, kind) for kind in cfg.layer_kinds)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -89,7 +95,8 @@ class Qwen3MoeForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, lm_head_scale: float = 8.0) -> None:
         """Random weights from ``seed``: unit-variance activations through every projection, norms
-        at one, and a sharpened LM head so that greedy choices are rarely near-ties."""
+        at one, and a sharpened LM head so that greedy choices are rarely near-ties; Gated DeltaNet
+        decays spread from fast to slow (``GatedDeltaNet.init_gates``)."""
         gen = torch.Generator(device=self.embed_tokens.device)
         gen.manual_seed(seed)
         for name, p in self.named_parameters():
@@ -102,3 +109,6 @@ class Qwen3MoeForCausalLM(nn.Module):
             elif name == "lm_head":
                 std *= lm_head_scale
             p.normal_(0.0, std, generator=gen)
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.init_gates(gen)

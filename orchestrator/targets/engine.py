@@ -64,7 +64,7 @@ class EngineTargetConfig(TargetConfig):
     kind: Literal["engine"] = "engine"
     workspace: str | None = None  # default: <state>/engine
     baseline: str | None = None  # serve config the workspace starts from; default: the shipped baseline
-    model: str | None = None  # a preset (tiny, small, qwen3.6-35b-a3b) or a config.json path
+    model: str | None = None  # a preset (engine.model_config.PRESETS) or a config.json path
     num_layers: int | None = Field(None, ge=1)
     device: str | None = None
     dtype: str | None = None

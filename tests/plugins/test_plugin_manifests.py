@@ -22,6 +22,7 @@ SHIPPED = {
     "decode-v2-long", "decode-v2-triton", "decode-v2-layout", "decode-threshold-64k",  # decode
     "prefill-pregather", "prefill-triton", "prefill-triton-tuning",            # prefix prefill
     "moe-sorted", "moe-triton",                                                 # MoE
+    "gdn-prefill-triton", "gdn-decode-triton",                                  # Gated DeltaNet
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
     "max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",  # vLLM serve options
     "kv-cache-fp8", "cudagraph-capture-size",
