@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Callable
 
 from orchestrator.store import Store
 
@@ -77,6 +78,17 @@ class Journal:
         self.store = store
         self.blobs = Path(blobs)
         self.blobs.mkdir(parents=True, exist_ok=True)
+        self.watchers: list[Callable[[], None]] = []
+
+    def watch(self, before_change: Callable[[], None]) -> None:
+        """Call `before_change` before any byte of a target root may change: images shown or restored, and
+        pre-images recorded (an apply step writes right after). A live server of the state on disk is
+        stopped there, so that no server ever outlives the state it serves."""
+        self.watchers.append(before_change)
+
+    def _changing(self) -> None:
+        for before_change in self.watchers:
+            before_change()
 
     # blobs
     def put_file(self, path: Path) -> tuple[str, int]:
@@ -109,6 +121,7 @@ class Journal:
 
     def track_many(self, step_id: int, paths: list[tuple[str, Path, str]]) -> None:
         """Record pre-images (and folders that will have to be created) once per step, in one transaction."""
+        self._changing()
         known = {(r["root"], r["path"]) for r in self.store.file_rows(step_id)}
         rows: list[dict] = []
         for root_name, root, rel in paths:
@@ -145,6 +158,7 @@ class Journal:
 
     def track_tree(self, step_id: int, root_name: str, root: Path) -> None:
         """Record a whole root before a command or hook that may change any file in it."""
+        self._changing()
         if any(r["root"] == root_name for r in self.store.tree_rows(step_id)):
             return
         manifest = self._scan(root, store=True)
@@ -199,6 +213,7 @@ class Journal:
     # putting images on disk
     def show(self, step_id: int, image: str) -> None:
         """Put the step's pre- or post-images on disk; the step row says which, before any byte moves."""
+        self._changing()
         self.store.set_step(step_id, image=image)
         rows = self.store.file_rows(step_id)
         files = [r for r in rows if r["kind"] == "file"]
@@ -236,6 +251,7 @@ class Journal:
 
     def restore(self, step_id: int, exact: bool = True) -> None:
         """Put back the state before the step; `exact` also makes recorded roots match their snapshot."""
+        self._changing()
         if exact:
             for tree in self.store.tree_rows(step_id):
                 self._restore_tree(Path(tree["root_path"]), json.loads(self.blob(tree["manifest"])))

@@ -35,29 +35,32 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
     # process and recording it for recovery.
     gc.freeze()
     ctx = open_run(project, store, journal, "run", reporter)
-    measurer = Measurer(ctx)
+    measurer = Measurer(ctx, plugins)
     deployment = Deployment(store, journal)
     restack = Restack(ctx, measurer, deployment, plugins)
     try:
-        if reverify:
-            restack.reverify()
-        else:
-            chain = continued(store, ctx.run_id)
-            earlier = {} if only else decided(store, chain)
-            measurer.baseline()
-            stager = Stager(ctx, measurer, deployment)
-            for plugin in plugins:
-                if (only and plugin.id not in only) or (skip and plugin.id in skip):
-                    continue
-                if plugin.id in earlier:
-                    stager.decided_earlier(plugin, earlier[plugin.id])
-                else:
-                    stager.stage(plugin)
-            kept = deployment.kept_by([*chain, ctx.run_id])
-            if measurer.throughput and kept:
-                restack.revalidate(kept)
-                if attribute:
-                    restack.attribute(kept)
+        try:
+            if reverify:
+                restack.reverify()
+            else:
+                chain = continued(store, ctx.run_id)
+                earlier = {} if only else decided(store, chain)
+                measurer.baseline(deployment.rows())
+                stager = Stager(ctx, measurer, deployment)
+                for plugin in plugins:
+                    if (only and plugin.id not in only) or (skip and plugin.id in skip):
+                        continue
+                    if plugin.id in earlier:
+                        stager.decided_earlier(plugin, earlier[plugin.id])
+                    else:
+                        stager.stage(plugin)
+                kept = deployment.kept_by([*chain, ctx.run_id])
+                if measurer.throughput and kept:
+                    restack.revalidate(kept)
+                    if attribute:
+                        restack.attribute(kept)
+        finally:
+            measurer.release()  # however the run ends, its live server is stopped first (recovery only kills)
     except (KeyboardInterrupt, Interrupted):
         recover(store, journal, "interrupted", "stopped by a signal")
         raise

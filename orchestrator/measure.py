@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from orchestrator import decide
 from orchestrator.config import Policy, ProbeSpec
 from orchestrator.context import RunContext
-from orchestrator.probes.runner import ProbeResult, judge_output, run_process
+from orchestrator.plugin import NUMERICS_ENV, Plugin, numerics_env
+from orchestrator.probes.runner import ProbeResult, ProcessResult, judge_output, run_process
+from orchestrator.state_server import ServerFailed, StateServer
 from orchestrator.store import dumps
+
+# A throughput sample's pair index (its `repeat`), for probes: the serving probe offsets its workload's seed by
+# it, so both samples of a pair send the same prompts and no two pairs do. A server that serves the last sample
+# of one pair and the first of the next (A B, B A) thus never finds the earlier sample's prompts in its prefix
+# cache, which would make the later sample faster than its partner on a fresh server.
+PAIR_ENV = "ORCHESTRATOR_PAIR"
 
 
 class BaselineFailed(Exception):
@@ -91,9 +99,10 @@ def fingerprint() -> dict | None:
 
 class Measurer:
     """Runs the project's probes for one run. `kept_samples` are the last kept state's samples, which the
-    sequential mode reuses as the baseline arm of the next candidate."""
+    sequential mode reuses as the baseline arm of the next candidate. `server` is the live server of the state on
+    disk that the target's probes share (state_server.py); the caller switches states, and `release` stops it."""
 
-    def __init__(self, run: RunContext):
+    def __init__(self, run: RunContext, plugins: Iterable[Plugin] = ()):
         self.run = run
         self.store = run.store
         probes = run.project.probes
@@ -101,19 +110,71 @@ class Measurer:
         self.throughput = [p for p in probes if p.role == "throughput"]
         self.objective = self.throughput[0].objective if self.throughput else None
         self.kept_samples: list[Sample] | None = None
+        self.plugins = {p.id: p for p in plugins}
+        self.holding: dict[str, list[str]] = {"baseline": [], "candidate": []}
+        self.server = StateServer(run)
+
+    def hold(self, baseline: Iterable[str], candidate: Iterable[str]) -> None:
+        """The plugins (ids) that each arm's state holds; the control arm is the baseline's state. Probes of a
+        state holding a plugin that declares `changes_numerics` are told so (NUMERICS_ENV)."""
+        self.holding = {"baseline": list(dict.fromkeys(baseline)), "candidate": list(dict.fromkeys(candidate))}
+
+    def release(self) -> None:
+        """Stop the live server of the state on disk, if one is up."""
+        self.server.stop()
+
+    def env(self, spec: ProbeSpec, arm: str, repeat: int, plugin: str) -> dict[str, str]:
+        env = self.run.env(plugin)
+        env.pop(NUMERICS_ENV, None)
+        env.pop(PAIR_ENV, None)
+        held = self.holding.get("baseline" if arm == "control" else arm, [])
+        env.update(numerics_env([self.plugins[i] for i in held if i in self.plugins]))
+        if spec.role == "throughput":
+            env[PAIR_ENV] = str(repeat)
+        return env
 
     def probe(self, spec: ProbeSpec, step_id: int | None, arm: str, repeat: int, plugin: str) -> ProbeResult:
+        """Run one probe on the state on disk and store its measurement. A probe that talks to a server is aimed
+        at the live server of this state (started when none is up); any other runs with no server alive."""
         self.run.reporter.phase(plugin, f"probe {spec.name} ({arm} #{repeat + 1})")
+        env = self.env(spec, arm, repeat, plugin)
+        command = spec.command
+        if self.server.serves(spec):
+            try:
+                command = self.server.aim(spec, env, step_id, arm, plugin).command
+            except ServerFailed as e:
+                return self.server_failed(spec, e, step_id, arm, repeat)
+            self.run.reporter.phase(plugin, f"probe {spec.name} ({arm} #{repeat + 1})")
+        else:
+            self.server.stop()  # the probe may need the device to itself
         on_start = self.run.recorder(step_id)
-        result = run_process(spec.command, self.run.project.base_dir, self.run.env(plugin), spec.timeout,
+        result = run_process(command, self.run.project.base_dir, env, spec.timeout,
                              on_start=lambda pid, ct: on_start(f"probe {spec.name}", pid, ct),
                              on_tick=self.run.reporter.tick, tmp_dir=self.run.tmp)
         out = judge_output(spec.role, spec.objective, result, spec.timeout)
+        if not out.ok and self.server.serves(spec):
+            if crash := self.server.crashed():
+                out.reason, out.message = "crashed", f"{out.message}; {crash}"
+            self.server.stop()  # a server that misbehaved is not reused: the next probe starts another
         self.store.add_measurement(run_id=self.run.run_id, step_id=step_id, probe=spec.name, role=spec.role, arm=arm,
                                    repeat=repeat, ok=int(out.ok), reason=out.reason, value=out.value,
                                    metrics=out.metrics, duration=result.duration, returncode=result.returncode,
                                    stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail,
                                    fingerprint=fingerprint() if spec.role == "throughput" else None)
+        return out
+
+    def server_failed(self, spec: ProbeSpec, e: ServerFailed, step_id: int | None, arm: str,
+                      repeat: int) -> ProbeResult:
+        """The live server a probe needed did not start: that probe's failure, `crashed` or `timeout`, stored with
+        the server log's tail as its output."""
+        message = f"the live server did not start: {e.summary}"
+        tail = e.tail[-4000:]
+        out = ProbeResult(False, e.reason, message, {"error": message, "reason": e.reason},
+                          process=ProcessResult(None, e.reason == "timeout", 0.0, tail, ""))
+        self.store.add_measurement(run_id=self.run.run_id, step_id=step_id, probe=spec.name, role=spec.role, arm=arm,
+                                   repeat=repeat, ok=0, reason=out.reason, value=None, metrics=out.metrics,
+                                   duration=None, returncode=None, stdout_tail=tail, stderr_tail="",
+                                   fingerprint=None)
         return out
 
     def failed_correctness(self, step_id: int | None, arm: str, plugin: str) -> tuple[ProbeSpec, ProbeResult] | None:
@@ -141,20 +202,25 @@ class Measurer:
                 value = out.value
         return Sample(value, metrics)
 
-    def baseline(self) -> None:
+    def baseline(self, kept: Iterable[str] = ()) -> None:
         """The correctness probes once (a failure is a warning) and `repeats` throughput samples of the target as
-        the run finds it; BaselineFailed when a sample cannot be taken."""
-        for spec in self.correctness:
-            out = self.probe(spec, None, "baseline", 0, "baseline")
-            if not out.ok:
-                self.store.event(self.run.run_id, "warning",
-                                 f"baseline fails correctness probe {spec.name}: {out.message}")
-        if not self.throughput:
-            return
+        the run finds it (holding the plugins `kept`); BaselineFailed when a sample cannot be taken."""
+        self.hold(kept, kept)
         try:
-            samples = [self.sample(None, "baseline", i, "baseline") for i in range(self.run.project.policy.repeats)]
-        except ArmFailed as e:
-            raise BaselineFailed(f"cannot measure the baseline: {e}") from None
+            for spec in self.correctness:
+                out = self.probe(spec, None, "baseline", 0, "baseline")
+                if not out.ok:
+                    self.store.event(self.run.run_id, "warning",
+                                     f"baseline fails correctness probe {spec.name}: {out.message}")
+            if not self.throughput:
+                return
+            try:
+                samples = [self.sample(None, "baseline", i, "baseline")
+                           for i in range(self.run.project.policy.repeats)]
+            except ArmFailed as e:
+                raise BaselineFailed(f"cannot measure the baseline: {e}") from None
+        finally:
+            self.release()
         self.kept_samples = samples
         self.store.update_run(self.run.run_id, baseline=dumps(medians([s.metrics for s in samples])))
 
@@ -182,16 +248,23 @@ class Measurer:
 
     def interleaved(self, step_id: int | None, policy: Policy, name: str, show_base: Callable[[], None],
                     show_cand: Callable[[], None]) -> Verdict:
-        """Pairs until the judge decides; odd pairs measure the candidate first (A B, B A, ...), so a lag within a
-        pair (warm caches, a drifting clock) favours each arm equally often, and consecutive pairs share a switch."""
+        """Pairs until the judge decides. The candidate is on disk when this is called (its correctness probes
+        just ran, or it is the deployment a re-measurement compares), so the first pair measures it first and
+        each later pair reverses the order of the one before (C B, B C, C B, ...): a lag within a pair (warm
+        caches, a drifting clock, a server that served the pair before) favours each arm equally often, and
+        consecutive pairs share a state, switched only when the arm changes, so one live server start serves
+        the last sample of a pair and the first of the next."""
         judge = decide.Judge(policy)
         base: list[Sample] = []
         cand: list[Sample] = []
+        on_disk = "candidate"
         while True:
             n = len(base)
-            arms = [("baseline", show_base, base), ("candidate", show_cand, cand)]
+            arms = [("candidate", show_cand, cand), ("baseline", show_base, base)]
             for arm, show, samples in (arms if n % 2 == 0 else arms[::-1]):
-                show()
+                if arm != on_disk:
+                    show()
+                    on_disk = arm
                 samples.append(self.sample(step_id, arm, n, name))
             d = judge.decide([s.value for s in base], [s.value for s in cand], final=n + 1 >= policy.max_pairs)
             if d is not None:

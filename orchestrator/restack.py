@@ -40,23 +40,28 @@ class Restack:
                               for now, then in images if now["after"] != then["before"]])
         return step_id
 
-    def compare(self, step_id: int, policy: Policy, name: str) -> Verdict:
-        """Interleaved pairs whatever the plugins' mode; the target ends as deployed whatever happens."""
+    def compare(self, step_id: int, policy: Policy, name: str, without: set[str]) -> Verdict:
+        """Interleaved pairs whatever the plugins' mode; the target ends as deployed, with no live server up,
+        whatever happens. `without`: the kept plugins the compared state lacks."""
         policy = policy.model_copy(update={"interleave": True})
+        deployed = list(self.deployment.rows())
+        self.measurer.hold([p for p in deployed if p not in without], deployed)
         try:
             return self.measurer.interleaved(step_id, policy, name, lambda: self.journal.show(step_id, "post"),
                                              lambda: self.journal.show(step_id, "pre"))
         finally:
             self.journal.show(step_id, "pre")
+            self.measurer.release()
 
-    def measure_switch(self, plugin: str, kind: str, images: list[tuple[dict, dict]],
-                       phase: str) -> tuple[int, Verdict | None]:
-        """A comparison step of the deployment against another state; None when an arm failed (recorded)."""
+    def measure_switch(self, plugin: str, kind: str, images: list[tuple[dict, dict]], phase: str,
+                       without: set[str]) -> tuple[int, Verdict | None]:
+        """A comparison step of the deployment against another state, which lacks the kept plugins `without`;
+        None when an arm failed (recorded)."""
         step_id = self.switch_step(plugin, kind, images)
         name = label(self.store.step(step_id))
         self.reporter.phase(name, phase)
         try:
-            return step_id, self.compare(step_id, self.run.project.policy, name)
+            return step_id, self.compare(step_id, self.run.project.policy, name, without)
         except ArmFailed as e:
             self.store.finish_step(step_id, MEASURED, e.reason, str(e))
             return step_id, None
@@ -77,7 +82,8 @@ class Restack:
                 first.setdefault((f["root_path"], f["path"]), f)
                 last[(f["root_path"], f["path"])] = f
         step_id, verdict = self.measure_switch(FINAL, "final", [(last[k], first[k]) for k in last],
-                                               "re-validating the kept stack")
+                                               "re-validating the kept stack",
+                                               {self.store.step(sid)["plugin"] for sid in kept})
         if verdict is None:
             return
         d = verdict.decision
@@ -100,7 +106,7 @@ class Restack:
                 self.reporter.outcome(label(self.store.step(step_id)), MEASURED, "not_separable", None)
                 continue
             step_id, verdict = self.measure_switch(plugin_id, "attribution", [(f, f) for f in self.deployment.files(sid)],
-                                                   "leave-one-out")
+                                                   "leave-one-out", {plugin_id})
             if verdict is None:
                 continue
             self.record(step_id, verdict, None, f"contribution of {plugin_id} to the stack: {describe(verdict.decision)}")
@@ -142,7 +148,7 @@ class Restack:
         policy = self.run.project.policy.merged(plugin.manifest.accept)
         self.reporter.phase(plugin.id, "re-verify")
         try:
-            verdict = self.compare(step_id, policy, plugin.id)
+            verdict = self.compare(step_id, policy, plugin.id, {plugin.id})
         except ArmFailed as e:
             self.store.finish_step(step_id, MEASURED, e.reason, f"stale ({why}); re-verification failed, left kept: {e}")
             return

@@ -117,7 +117,14 @@ class Stager:
 
     def attempt(self, plugin: Plugin, variant: Variant) -> Candidate | None:
         """Stage one params combination on the last kept state. Returns the candidate, or None when it was rolled
-        back (its outcome recorded); either way the last kept state is on disk afterwards."""
+        back (its outcome recorded); either way the last kept state is on disk afterwards, and no live server of
+        any state is left up."""
+        try:
+            return self.judge(plugin, variant)
+        finally:
+            self.measurer.release()
+
+    def judge(self, plugin: Plugin, variant: Variant) -> Candidate | None:
         name = plugin.id + (f" [{variant.label}]" if variant.params else "")
         kind = self.run.kind
         step_id = self.store.new_step(self.run.run_id, plugin.id, "applying", params=variant.params, image="post",
@@ -138,6 +145,8 @@ class Stager:
                 if not ok:
                     return self.roll_back(plugin, variant, step_id, "verify_failed", why)
         self.store.set_step(step_id, state="checking")
+        kept = list(self.deployment.rows())
+        self.measurer.hold(kept, [*kept, plugin.id])
         failed = self.measurer.failed_correctness(step_id, "candidate", name)
         if failed:
             spec, out = failed

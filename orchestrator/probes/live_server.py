@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import psutil
@@ -30,12 +31,12 @@ TAIL = 3000  # characters of the server log quoted in a failure
 
 class ServerFailed(Exception):
     """The server could not be started or did not become healthy. ``reason`` is ``timeout`` (still not
-    healthy at the deadline) or ``crashed`` (it could not start or exited); the message ends with
-    the tail of its log."""
+    healthy at the deadline) or ``crashed`` (it could not start or exited); the message is ``summary``
+    followed by ``tail``, the end of its log."""
 
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+    def __init__(self, reason: str, summary: str, tail: str = ""):
+        super().__init__(summary + (f"; its last output:\n{tail}" if tail else ""))
+        self.reason, self.summary, self.tail = reason, summary, tail
 
 
 class Terminated(BaseException):
@@ -159,21 +160,25 @@ class LiveServer:
             return None
         return group_cpu_seconds(self.proc.pid)
 
-    def wait_healthy(self, timeout: float, poll: float = 0.25) -> None:
+    def wait_healthy(self, timeout: float, poll: float = 0.25,
+                     on_tick: Callable[[float, str], None] | None = None) -> None:
         """Until ``GET /health`` answers 200; ServerFailed when the server exits first or ``timeout``
-        seconds pass (never later than that, whatever the server does)."""
+        seconds pass (never later than that, whatever the server does). ``on_tick(seconds since the
+        start, the log's last lines)`` is called between polls."""
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=min(5.0, max(0.5, timeout))) as client:
             while True:
                 if (code := self.exited()) is not None:
-                    raise ServerFailed("crashed", f"the server exited with code {code} before becoming healthy; "
-                                                  f"its last output:\n{self.tail()}")
+                    raise ServerFailed("crashed", f"the server exited with code {code} before becoming healthy",
+                                       self.tail())
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ServerFailed("timeout", f"the server at {self.url} did not answer /health with 200 "
-                                                  f"within {timeout:g} s; its last output:\n{self.tail()}")
+                                                  f"within {timeout:g} s", self.tail())
                 if health_ok(client, self.url, min(5.0, left)):
                     return
+                if on_tick is not None:
+                    on_tick(self.age() or 0.0, self.tail(400))
                 time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
     # ---------------------------------------------------------------- stop
@@ -183,13 +188,17 @@ class LiveServer:
         their GPU memory is released (bounded waits: a member that outlives SIGKILL is reported)."""
         if self.proc is None or self.stopped_by is not None:
             return
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
+        # a SIGTERM meanwhile must not cut this short: it is held back and delivered once the server is gone
+        held: list[int] = []
+        previous = signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
         try:
             self._stop()
         finally:
             signal.signal(signal.SIGTERM, previous)
             if self.log_dir is None:
                 self._drop_log()
+        if held:
+            signal.raise_signal(signal.SIGTERM)
 
     def _stop(self) -> None:
         pgid = self.proc.pid

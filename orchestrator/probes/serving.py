@@ -33,6 +33,13 @@ from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminate
                                              server_label, wait_healthy)
 
 DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input tokens/s
+WINDOW_STRIDE = 7919  # seed offset of each further measured window
+WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
+# Seed offset of each pair (--pair, $ORCHESTRATOR_PAIR): larger than every offset within one probe, so no
+# two pairs share a prompt. Both samples of a pair send the same prompts; a server reused for the next
+# pair's sample (the staging loop's A B, B A order) finds none of them in its prefix cache.
+PAIR_STRIDE = 10_000_019
+PAIR_ENV = "ORCHESTRATOR_PAIR"
 
 
 class ProbeError(Exception):
@@ -322,6 +329,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests per second, Poisson arrivals (default: all at once)")
     p.add_argument("--max-concurrency", type=int, default=w.max_concurrency)
     p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--pair", type=int, default=None,
+                   help=f"the sample's pair index: the workload's seed is offset by {PAIR_STRIDE} per pair "
+                        f"(default: ${PAIR_ENV}, else 0)")
     p.add_argument("--windows", type=int, default=1,
                    help="measured passes on the one server, each from its own prompts; the best is reported")
     p.add_argument("--best-of", default="score", choices=["score", "cpu_score", "output_throughput"],
@@ -335,8 +345,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-weight", type=float, default=DEFAULT_WEIGHTS[1])
     p.add_argument("--cached-weight", type=float, default=DEFAULT_WEIGHTS[2])
     args = p.parse_args(argv)
-    if args.windows < 1:
-        p.error("--windows must be at least 1")
+    if not 1 <= args.windows <= 100:  # their seeds stay clear of the warm-up's and of the next pair's
+        p.error("--windows must be between 1 and 100")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be at least 1")
     if not 0.0 <= args.shared_prefix_fraction < 1.0:
@@ -347,6 +357,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--token-id-range needs 0 <= LOW < HIGH")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         p.error("--request-rate and --max-concurrency must be positive")
+    if args.pair is None:
+        value = os.environ.get(PAIR_ENV, "").strip() or "0"
+        try:
+            args.pair = int(value)
+        except ValueError:
+            p.error(f"${PAIR_ENV} must be a whole number, got {value!r}")
+    if args.pair < 0:
+        p.error("the pair index (--pair or $ORCHESTRATOR_PAIR) must not be negative")
     return args
 
 
@@ -374,7 +392,7 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
     here instead of inside the measured window. Returns its wall time."""
     batch = min(workload.num_prompts, workload.max_concurrency or workload.num_prompts)
     warm = replace(workload, num_prompts=batch, output_len=min(workload.output_len, 16),
-                   request_rate=math.inf, seed=workload.seed + 1_000_003)
+                   request_rate=math.inf, seed=workload.seed + WARMUP_OFFSET)
     outcomes, duration, _ = await drive(base_url, model, warm, request_timeout)
     if not any(o.success for o in outcomes):
         raise ProbeError(f"every warm-up request failed: {sorted({o.error for o in outcomes})[:3]}")
@@ -426,18 +444,20 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
     machine only ever slows a pass down, so the fastest one is the least disturbed."""
     ready = server.age() if server is not None else None
     model = args.model or await served_model(base_url)
+    seed = args.seed + PAIR_STRIDE * args.pair
     workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                         args.shared_prefix_fraction, *args.token_id_range, args.request_rate,
-                        args.max_concurrency, args.seed)
+                        args.max_concurrency, seed)
     warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
     windows = []
     for i in range(args.windows):
-        windows.append(await measure_window(base_url, model, replace(workload, seed=args.seed + 7919 * i),
+        windows.append(await measure_window(base_url, model, replace(workload, seed=seed + WINDOW_STRIDE * i),
                                             args, server))
         if failure(windows[-1], args.max_failed_fraction):
             break  # a failing server is reported as it is, not retried into a pass
     failed = next((w for w in windows if failure(w, args.max_failed_fraction)), None)
     result = failed or max(windows, key=lambda w: w.get(args.best_of, 0))
+    result["pair"] = args.pair
     if args.windows > 1:
         result = {**result, "best_of": args.best_of,
                   "windows": [{k: w[k] for k in WINDOW_FIELDS if k in w} for w in windows]}

@@ -53,8 +53,20 @@ class Target:
         return None
 
     def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
-        """The default probes aimed at a server already running at ``base_url`` (``server_pid``: its pid)."""
-        return self.default_probes()
+        """The default probes that talk to a server, aimed at one already running at ``base_url``
+        (``server_pid``: its pid, whose CPU time the serving probe reads); the staging loop runs the
+        other default probes with no server alive. Empty when ``live_server`` is None."""
+        return []
+
+    @property
+    def startup_timeout(self) -> float:
+        """Seconds a live server may take to answer ``GET /health`` with 200."""
+        return float(getattr(self.config, "startup_timeout", 300.0))
+
+    @property
+    def server_logs(self) -> Path:
+        """Where live servers' logs are kept, one file per start."""
+        return self.state_dir / "server-logs"
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()

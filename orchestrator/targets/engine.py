@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.loading import ConfigError
+from orchestrator.probes.live_server import LiveServer
 from orchestrator.targets.base import Target, TargetConfig
 
 SERVER_MODULE = "engine.server"  # `python -m engine.server --config FILE --host H --port P`
@@ -78,6 +79,7 @@ class EngineTargetConfig(TargetConfig):
     kernel_checks: Literal["full", "small", "none"] | None = None  # default: small on CPU, full on GPU
     correctness_timeout: float = Field(900, gt=0)
     serving_timeout: float = Field(1800, gt=0)
+    startup_timeout: float = Field(300, gt=0)  # seconds until the engine server answers GET /health with 200
 
 
 class EngineTarget(Target):
@@ -149,22 +151,40 @@ class EngineTarget(Target):
                               f"setup ({what}); use another state folder (--state) or remove that one")
 
     def default_probes(self) -> list[dict[str, Any]]:
-        w = self.workload
+        """The correctness probe (engines of its own, in-process: it needs the device to itself), then the
+        serving benchmark, which starts `python -m engine.server` of the workspace config unless aimed at a
+        running one (``probes_against``)."""
         checks = self.config.kernel_checks or ("full" if self.on_gpu() else "small")
         return [
             {"name": "engine-correct", "role": "correctness", "timeout": self.config.correctness_timeout,
              "command": ["python", "-m", "orchestrator.probes.engine_correct",
                          "--reference", str(self.reference_path), "--kernel-checks", checks]},
-            {"name": "serving", "role": "throughput", "timeout": self.config.serving_timeout,
-             "objective": self.objective,
-             "command": ["python", "-m", "orchestrator.probes.serving",
-                         "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),
-                         "--output-len", str(w.output_len),
-                         "--shared-prefix-fraction", str(w.shared_prefix_fraction),
-                         "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed),
-                         "--windows", str(w.windows), "--best-of", self.objective,
-                         *(["--warmup"] if w.warmup else [])]},
+            self._serving([]),
         ]
+
+    def _serving(self, source: list[str]) -> dict[str, Any]:
+        w = self.workload
+        return {"name": "serving", "role": "throughput", "timeout": self.config.serving_timeout,
+                "objective": self.objective,
+                "command": ["python", "-m", "orchestrator.probes.serving", *source,
+                            "--health-timeout", f"{self.config.startup_timeout:g}",
+                            "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),
+                            "--output-len", str(w.output_len),
+                            "--shared-prefix-fraction", str(w.shared_prefix_fraction),
+                            "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed),
+                            "--windows", str(w.windows), "--best-of", self.objective,
+                            *(["--warmup"] if w.warmup else [])]}
+
+    def live_server(self, env: dict[str, str] | None = None, label: str = "server") -> LiveServer:
+        """An unstarted engine server of the workspace's serve config (a free port on 127.0.0.1), its log
+        kept under the state folder."""
+        argv = server_argv(str(self.workspace / SERVE_CONFIG), "{host}", "{port}")
+        return LiveServer(argv, env=env, log_dir=self.server_logs, log_label=label)
+
+    def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
+        """The serving benchmark aimed at an engine server running at ``base_url`` (with its pid: the
+        server's CPU time, for cpu_score)."""
+        return [self._serving(["--base-url", base_url, *(["--server-pid", str(server_pid)] if server_pid else [])])]
 
     def on_gpu(self) -> bool:
         device = self.config.device or "auto"

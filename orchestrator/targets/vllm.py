@@ -124,10 +124,6 @@ class VllmTarget(Target):
         """The baseline's greedy completions, recorded by the first correctness probe of the baseline."""
         return self.state_dir / "vllm-reference.json"
 
-    @property
-    def server_logs(self) -> Path:
-        return self.state_dir / "server-logs"
-
     def serve_argv(self, host: str = "{host}", port: int | str = "{port}") -> list[str]:
         """``serve_command [model] --config FILE --host H --port P [--served-model-name N] serve_args``;
         by default with the ``{host}`` and ``{port}`` placeholders LiveServer fills in."""
@@ -164,7 +160,7 @@ class VllmTarget(Target):
             {"name": "greedy", "role": "correctness", "timeout": margin + c.check_timeout,
              "command": ["python", "-m", "orchestrator.probes.greedy", "--reference", str(self.reference_path),
                          *self._server_source(base_url), "--startup-timeout", startup, "--mode", c.correctness,
-                         *model]},
+                         "--check-kernels", "none", *model]},
             {"name": "serving", "role": "throughput", "timeout": margin + c.server_timeout, "objective": c.objective,
              "command": ["python", "-m", "orchestrator.probes.serving", *self._server_source(base_url),
                          *(["--server-pid", str(server_pid)] if base_url and server_pid else []),
@@ -176,14 +172,18 @@ class VllmTarget(Target):
         ]
 
     def default_probes(self) -> list[dict[str, Any]]:
-        """Live probes, each starting its own `vllm serve` of the serve config on disk: greedy outputs
-        against the baseline's (plus the kernel check of deployed shims), then the serving benchmark."""
-        return self._probes(None)
+        """The kernel check of deployed shims (no server: it may need the GPU's memory), then live probes,
+        each starting its own `vllm serve` of the serve config on disk: greedy outputs against the
+        baseline's, then the serving benchmark. The staging loop runs the live ones against one server
+        per state instead (``probes_against``)."""
+        kernels = {"name": "kernels", "role": "correctness", "timeout": self.config.check_timeout,
+                   "command": ["python", "-m", "orchestrator.targets.vllm", "check-kernels"]}
+        return [kernels, *self._probes(None)]
 
     def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
-        """The default probes aimed at a server already running at ``base_url`` (one start serves the
-        correctness probe and the first throughput sample of a state); with the server's pid the
-        serving probe also reports its CPU time (cpu_score)."""
+        """The live probes aimed at a server already running at ``base_url``: one start serves the
+        greedy probe and the throughput samples of a state; with the server's pid the serving probe
+        also reports its CPU time (cpu_score)."""
         return self._probes(base_url, server_pid)
 
 
@@ -211,13 +211,17 @@ def deployed_kernels(package: Path) -> list[tuple[str, str]]:
 
 
 def check_kernels(package: Path) -> dict[str, Any]:
-    """Correctness probe: each project kernel deployed into vLLM against its float64 reference."""
+    """Correctness probe: each project kernel deployed into vLLM against its float64 reference (torch is
+    imported only when there is one to check)."""
+    deployed = deployed_kernels(package)
+    if not deployed:
+        return {"passed": True, "checked": []}
     import torch
     from kernels import check
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = [check.run(op, variant, device, torch.bfloat16 if device == "cuda" else torch.float32,
-                         small=device == "cpu") for op, variant in deployed_kernels(package)]
+                         small=device == "cpu") for op, variant in deployed]
     return {"passed": all(r["passed"] for r in results), "checked": results}
 
 

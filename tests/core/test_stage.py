@@ -90,15 +90,16 @@ def test_interleaved_pairs_alternate_images_until_the_judge_decides(tmp_path, sc
     set_policy(project, interleave=True, min_pairs=2, max_pairs=5)
     store, run_id = stage(project)
     assert outcomes(store, run_id) == [("speedup", "kept", None)]
-    # 3 initial baseline samples (repeats default), then A B, B A, A B: odd pairs measure the candidate first
+    # 3 initial baseline samples (repeats default), then B A, A B, B A: the first pair starts with the candidate,
+    # which its correctness probe left on disk, and each pair reverses the one before
     log = (project.path / "probe-log.txt").read_text().split("\n")
-    assert log[:9] == ["baseline 1"] * 3 + ["speedup 1", "speedup 2", "speedup 2", "speedup 1", "speedup 1",
-                                            "speedup 2"]
+    assert log[:9] == ["baseline 1"] * 3 + ["speedup 2", "speedup 1", "speedup 1", "speedup 2", "speedup 2",
+                                            "speedup 1"]
     step = store.steps(run_id)[0]["id"]
     arms = store.query("SELECT arm, repeat FROM measurements WHERE step_id = ? AND role = 'throughput' "
                        "ORDER BY id", [step])
-    assert [(r["arm"], r["repeat"]) for r in arms] == [("baseline", 0), ("candidate", 0), ("candidate", 1),
-                                                       ("baseline", 1), ("baseline", 2), ("candidate", 2)]
+    assert [(r["arm"], r["repeat"]) for r in arms] == [("candidate", 0), ("baseline", 0), ("baseline", 1),
+                                                       ("candidate", 1), ("candidate", 2), ("baseline", 2)]
     assert [len(b) for b, _, _ in scripted.seen[:3]] == [1, 2, 3]
     assert scripted.seen[2][:2] == ([100.0] * 3, [200.0] * 3)
     assert [final for _, _, final in scripted.seen[:3]] == [False, False, False]

@@ -1,0 +1,109 @@
+"""The live server of the state on disk, shared by the probes that judge that state.
+
+A vLLM start costs a minute or more and an engine start on a GPU about ten seconds, while a serving
+sample lasts seconds: when every probe started its own server, server starts were most of a staged
+run. So where the target offers one (``Target.live_server``) and the project uses the target's own
+probes, the staging loop starts one server when the first probe that talks to a server
+(``Target.probes_against``) runs on a state, aims that probe and every later one of the same state at
+it (``--base-url``, ``--server-pid``), and stops it:
+
+- before the state on disk changes (the journal's watcher: images shown or restored, pre-images
+  recorded before an apply step writes), so a server never outlives the state it serves;
+- before a probe that does not talk to it, which may need the device to itself (the engine's
+  correctness probe runs engines of its own);
+- after a probe that talked to it failed: a server that misbehaved is not reused;
+- at the end of the baseline, of every attempt and of every comparison, and however a run ends.
+
+Stopping returns only once its process group exited and released its GPU memory (``LiveServer.stop``).
+The server runs in its own process group, its row in the processes table is written as soon as it
+started, and it carries a process mark of the run, so `recover` kills it after the orchestrator died.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import psutil
+
+from orchestrator.config import ProbeSpec
+from orchestrator.context import RunContext
+from orchestrator.probes.live_server import LiveServer, ServerFailed, log_name
+from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
+
+
+class StateServer:
+    """At most one live server, of the state on disk; started on demand by `aim`."""
+
+    def __init__(self, run: RunContext):
+        self.run = run
+        self.target = run.project.target
+        # only the target's own probes know how to talk to its server: a user's probes start what they start
+        own = run.project.config.probes is None
+        self.shared = {s["name"] for s in self.target.probes_against("http://127.0.0.1:0")} if own else set()
+        self.server: LiveServer | None = None
+        self.what = ""
+        self._mark = ""
+        self._since = 0.0
+        self._end: Callable[[], None] | None = None
+        run.journal.watch(self.stop)
+
+    def serves(self, spec: ProbeSpec) -> bool:
+        """Whether `spec` talks to the live server (else it runs with none alive)."""
+        return spec.name in self.shared
+
+    def aim(self, spec: ProbeSpec, env: dict[str, str], step_id: int | None, arm: str, label: str) -> ProbeSpec:
+        """`spec` aimed at the live server of the state on disk, started first when none is up (with `env`, the
+        probe environment of that state). ServerFailed ("crashed" or "timeout", with its log's tail) when it
+        cannot be started or does not become healthy; it is stopped then."""
+        if self.server is not None and (code := self.server.exited()) is not None:
+            self.run.store.event(self.run.run_id, "warning", f"the {self.what} of {label} exited with code {code} "
+                                                             "between two probes; another is started", step_id)
+            self.stop()
+        if self.server is None:
+            self.start(env, step_id, arm, label)
+        aimed = {s["name"]: s for s in self.target.probes_against(self.server.url, self.server.pid)}
+        return ProbeSpec.model_validate(aimed[spec.name])
+
+    def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str) -> None:
+        self.what = f"live server ({arm})"
+        self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
+        server = self.target.live_server(marked_env(env, self._mark),
+                                         label=log_name(f"run{self.run.run_id}", label, arm))
+        self.run.reporter.phase(label, f"starting the {self.what}")
+        server.start()  # ServerFailed("crashed") when the command cannot be started: nothing runs then
+        self.server = server
+        try:
+            create_time = psutil.Process(server.pid).create_time()
+        except psutil.Error:
+            create_time = time.time()
+        self._end = self.run.recorder(step_id)(self.what, server.pid, create_time)
+        try:
+            server.wait_healthy(self.target.startup_timeout, on_tick=self.run.reporter.tick)
+        except BaseException:
+            self.stop()
+            raise
+
+    def crashed(self) -> str | None:
+        """When the live server has exited: its exit code and the last lines of its log, for a probe's failure."""
+        if self.server is None or (code := self.server.exited()) is None:
+            return None
+        lines = [ln.strip() for ln in self.server.tail().splitlines() if ln.strip()]
+        return f"the {self.what} exited with code {code}" + (f" (log: {' | '.join(lines[-2:])[-300:]})"
+                                                            if lines else "")
+
+    def stop(self) -> None:
+        """Stop the live server, if any: SIGTERM, SIGKILL of its group after the grace period, then whatever
+        escaped the group (by its mark); returns once all are gone and the GPU memory is released."""
+        server, self.server = self.server, None
+        if server is None:
+            return
+        try:
+            server.stop()
+        finally:
+            sweep_mark(self._mark, self._since)
+            if not server.leftover and self._end is not None:  # one that outlived SIGKILL stays for recover
+                self._end()
+            self._end = None
+
+
+__all__ = ["ServerFailed", "StateServer"]
