@@ -4,6 +4,7 @@ the target."""
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -140,10 +141,11 @@ class Measurer:
         env = self.env(spec, arm, repeat, plugin)
         command = spec.command
         if self.server.serves(spec):
+            started = time.monotonic()
             try:
                 command = self.server.aim(spec, env, step_id, arm, plugin).command
             except ServerFailed as e:
-                return self.server_failed(spec, e, step_id, arm, repeat)
+                return self.server_failed(spec, e, step_id, arm, repeat, time.monotonic() - started)
             self.run.reporter.phase(plugin, f"probe {spec.name} ({arm} #{repeat + 1})")
         else:
             self.server.stop()  # the probe may need the device to itself
@@ -163,17 +165,17 @@ class Measurer:
                                    fingerprint=fingerprint() if spec.role == "throughput" else None)
         return out
 
-    def server_failed(self, spec: ProbeSpec, e: ServerFailed, step_id: int | None, arm: str,
-                      repeat: int) -> ProbeResult:
+    def server_failed(self, spec: ProbeSpec, e: ServerFailed, step_id: int | None, arm: str, repeat: int,
+                      waited: float) -> ProbeResult:
         """The live server a probe needed did not start: that probe's failure, `crashed` or `timeout`, stored with
-        the server log's tail as its output."""
+        the server log's tail as its output and the time spent waiting for it as its duration."""
         message = f"the live server did not start: {e.summary}"
         tail = e.tail[-4000:]
         out = ProbeResult(False, e.reason, message, {"error": message, "reason": e.reason},
-                          process=ProcessResult(None, e.reason == "timeout", 0.0, tail, ""))
+                          process=ProcessResult(None, e.reason == "timeout", waited, tail, ""))
         self.store.add_measurement(run_id=self.run.run_id, step_id=step_id, probe=spec.name, role=spec.role, arm=arm,
                                    repeat=repeat, ok=0, reason=out.reason, value=None, metrics=out.metrics,
-                                   duration=None, returncode=None, stdout_tail=tail, stderr_tail="",
+                                   duration=waited, returncode=None, stdout_tail=tail, stderr_tail="",
                                    fingerprint=None)
         return out
 

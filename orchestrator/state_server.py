@@ -42,6 +42,7 @@ class StateServer:
         self.shared = {s["name"] for s in self.target.probes_against("http://127.0.0.1:0")} if own else set()
         self.server: LiveServer | None = None
         self.what = ""
+        self._step_id: int | None = None
         self._mark = ""
         self._since = 0.0
         self._end: Callable[[], None] | None = None
@@ -65,7 +66,7 @@ class StateServer:
         return ProbeSpec.model_validate(aimed[spec.name])
 
     def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str) -> None:
-        self.what = f"live server ({arm})"
+        self.what, self._step_id = f"live server ({arm})", step_id
         self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
         server = self.target.live_server(marked_env(env, self._mark),
                                          label=log_name(f"run{self.run.run_id}", label, arm))
@@ -104,6 +105,12 @@ class StateServer:
             if not server.leftover and self._end is not None:  # one that outlived SIGKILL stays for recover
                 self._end()
             self._end = None
+            if server.stopped_by == "SIGKILL" or server.leftover:
+                left = f"; processes {server.leftover} outlived SIGKILL" if server.leftover else ""
+                self.run.store.event(self.run.run_id, "server_killed",
+                                     f"the {self.what} (pid {server.pid}) did not exit within "
+                                     f"{server.stop_timeout:g} s of SIGTERM: its process group was killed{left}",
+                                     self._step_id)
 
 
 __all__ = ["ServerFailed", "StateServer"]

@@ -67,7 +67,7 @@ def test_first_start_writes_configs_stages_then_serves(box):
     assert project.plugins_dir == OPTIMIZATIONS and project.state_dir == state
     assert project.target.serve_config == state / "serve" / "serve.yaml"
     assert not project.state_dir.is_relative_to(project.target.serve_config.parent)  # the serve root
-    assert [p.name for p in project.probes] == ["greedy", "serving"]  # live: each starts `vllm serve`
+    assert [p.name for p in project.probes] == ["kernels", "greedy", "serving"]  # live: on `vllm serve`
 
 
 def test_the_first_start_arguments_are_staged_with_but_not_its_address(box):

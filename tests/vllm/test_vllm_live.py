@@ -10,6 +10,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -41,8 +42,9 @@ target:
   objective: cpu_score  # the server's own CPU time: other load on a shared machine does not stretch it
 plugins: plugins
 state: state
-policy: {{rule: first, repeats: 1, interleave: false, min_gain: 0.3, min_pairs: 1, max_pairs: 1}}
+policy: {policy}
 """
+ONE_SAMPLE = "{rule: first, repeats: 1, interleave: false, min_gain: 0.3, min_pairs: 1, max_pairs: 1}"
 PLUGIN = """\
 id: {id}
 description: {id}
@@ -58,8 +60,10 @@ TEST_PLUGINS = {  # id: (order, serve-config key, value)
     "other-seed": (30, "seed", 1),  # other weights: every greedy output differs
     "stall": (40, "standin-stall", "true"),  # never answers /health
     "stubborn": (50, "standin-ignore-sigterm", "true"),  # a group member that ignores SIGTERM
+    "dies": (60, "standin-exit-after-requests", 12),  # exits mid-sample: 8 greedy requests, then 1 + 16 serving
 }
-SHIPPED = ("async-scheduling", "cudagraph-capture-size")  # 0.10.2 has the first option, not the second
+# 0.10.2 has the options of the first two, not the third's; kv-cache-fp8 declares that it changes numerics
+SHIPPED = ("async-scheduling", "kv-cache-fp8", "cudagraph-capture-size")
 
 
 def standin_env(tmp_path: Path) -> dict[str, str]:
@@ -93,7 +97,7 @@ def deployment(tmp_path, vllm_pinned):
         (plugins / pid / "plugin.yaml").write_text(PLUGIN.format(id=pid, order=order, key=key, value=value))
     for pid in SHIPPED:
         shutil.copytree(OPTIMIZATIONS / pid, plugins / pid)
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned))
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
     return tmp_path
 
 
@@ -102,13 +106,28 @@ def cli(folder: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=folder, env=standin_env(folder), capture_output=True, text=True, timeout=1500)
 
 
-def measurements(folder: Path, plugin: str) -> list[dict]:
+def query(folder: Path, sql: str, args: tuple = ()) -> list[dict]:
     db = sqlite3.connect(folder / "state" / "orchestrator.db")
     db.row_factory = sqlite3.Row
-    rows = db.execute("SELECT m.* FROM measurements m LEFT JOIN steps s ON s.id = m.step_id "
-                      "WHERE coalesce(s.plugin, 'baseline') = ?", (plugin,)).fetchall()
-    db.close()
-    return [dict(r) for r in rows]
+    try:
+        return [dict(r) for r in db.execute(sql, args).fetchall()]
+    finally:
+        db.close()
+
+
+def measurements(folder: Path, plugin: str) -> list[dict]:
+    return query(folder, "SELECT m.* FROM measurements m LEFT JOIN steps s ON s.id = m.step_id "
+                         "WHERE coalesce(s.plugin, 'baseline') = ? ORDER BY m.id", (plugin,))
+
+
+def server_starts(folder: Path) -> dict[str, list[str]]:
+    """{plugin (or "baseline"): the live servers the staging loop started for it, in order}, from the
+    processes table, which records each start."""
+    starts: dict[str, list[str]] = {}
+    for row in query(folder, "SELECT coalesce(s.plugin, 'baseline') AS plugin, p.what FROM processes p "
+                             "LEFT JOIN steps s ON s.id = p.step_id WHERE p.what LIKE 'live server%' ORDER BY p.id"):
+        starts.setdefault(row["plugin"], []).append(row["what"])
+    return starts
 
 
 def test_live_run_keeps_rolls_back_and_leaves_nothing_behind(deployment):
@@ -145,13 +164,37 @@ def test_live_run_keeps_rolls_back_and_leaves_nothing_behind(deployment):
     # a shipped plugin the stand-in accepts and ignores: applied, verified, measured, decided
     asynchronous = steps["async-scheduling"]
     assert asynchronous["outcome"] in ("kept", "rolled_back") and asynchronous["gain"] is not None, asynchronous
+    # a plugin that declares it changes numerics is judged by agreement, the others exactly
+    greedy = {plugin: json.loads(next(m["metrics"] for m in measurements(deployment, plugin)
+                                      if m["probe"] == "greedy" and m["arm"] == "candidate"))
+              for plugin in ("wider-batch", "kv-cache-fp8")}
+    assert (greedy["kv-cache-fp8"]["mode"], greedy["kv-cache-fp8"]["changes_numerics"]) == \
+        ("agreement", ["kv-cache-fp8"]), greedy
+    assert (greedy["wider-batch"]["mode"], greedy["wider-batch"]["changes_numerics"]) == ("exact", []), greedy
     # a server that ignores SIGTERM is killed, and no probe is blamed for it
-    stubborn = [m for m in measurements(deployment, "stubborn") if m["arm"] == "candidate"]
-    assert len(stubborn) == 2 and all(json.loads(m["metrics"]).get("server_stopped_by") == "SIGKILL" for m in stubborn)
+    killed = query(deployment, "SELECT e.message, s.plugin FROM events e LEFT JOIN steps s ON s.id = e.step_id "
+                               "WHERE e.kind = 'server_killed'")
+    assert [k["plugin"] for k in killed] == ["stubborn"], killed
+    assert "did not exit within 3 s of SIGTERM" in killed[0]["message"]
     assert steps["stubborn"]["outcome"] in ("kept", "rolled_back")
     assert steps["stubborn"]["reason"] not in ("crashed", "incorrect", "timeout", "probe_failed")
-    baseline = measurements(deployment, "baseline")
-    assert {json.loads(m["metrics"]).get("server_stopped_by") for m in baseline} == {"SIGTERM"}
+    # a server that exits mid-sample: crashed, with its exit code; the control's sample starts a server of its own
+    dies = steps["dies"]
+    assert (dies["outcome"], dies["reason"]) == ("rolled_back", "crashed"), dies
+    assert "exited with code 7" in dies["detail"] and dies["control"]["passed"], dies
+    assert [(m["arm"], m["ok"]) for m in measurements(deployment, "dies") if m["probe"] == "serving"] == \
+        [("candidate", 0), ("control", 1)]
+
+    # one server start per state: the greedy probe and the serving sample share it; a failed start or a failed
+    # probe is followed by the control's own start; the final re-validation's pair starts one per arm
+    starts = server_starts(deployment)
+    assert starts["baseline"] == ["live server (baseline)"]
+    for plugin in ("wider-batch", "async-scheduling", "kv-cache-fp8", "stubborn"):
+        assert starts[plugin] == ["live server (candidate)"], (plugin, starts)
+    for plugin in ("bad-value", "other-seed", "stall", "dies"):
+        assert starts[plugin] == ["live server (candidate)", "live server (control)"], (plugin, starts)
+    assert starts["(final)"] == ["live server (candidate)", "live server (baseline)"], starts
+    assert query(deployment, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
 
     assert left_behind(str(deployment)) == []
     serve = (deployment / "serve" / "serve.yaml").read_text()
@@ -167,7 +210,7 @@ def test_both_probes_share_one_running_server(tmp_path, vllm_pinned):
     (tmp_path / "serve").mkdir()
     (tmp_path / "serve" / "serve.yaml").write_text(SERVE)
     (tmp_path / "plugins").mkdir()
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned))
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
     project = load(tmp_path / "orchestrator.yaml")
     env = {**standin_env(tmp_path), "ORCHESTRATOR_PLUGIN": "baseline", **project.target.env()}
     server = project.target.live_server(env, label="shared")
@@ -186,3 +229,100 @@ def test_both_probes_share_one_running_server(tmp_path, vllm_pinned):
     assert results["greedy"]["passed"] and results["greedy"]["recorded"]
     assert results["serving"]["completed"] == 16 and results["serving"]["cpu_score"] > 0  # the objective here
     assert server.stopped_by == "SIGTERM" and left_behind(str(tmp_path)) == []
+
+
+def test_paired_samples_reuse_each_arms_server(tmp_path, vllm_pinned):
+    """Three pairs in the order C B, B C, C B: the candidate's server serves its correctness probe and the first
+    sample, each later server the last sample of one pair and the first of the next; every sample of a pair
+    sends that pair's prompts (seed offset by the pair index), none another pair's."""
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "serve.yaml").write_text(SERVE)
+    (tmp_path / "plugins" / "other-seqs").mkdir(parents=True)
+    (tmp_path / "plugins" / "other-seqs" / "plugin.yaml").write_text(
+        PLUGIN.format(id="other-seqs", order=10, key="max-num-seqs", value=2))
+    # a bar no change clears: rolled back after exactly three pairs, with no final re-validation
+    policy = "{repeats: 1, interleave: true, min_pairs: 3, max_pairs: 3, min_gain: 5.0}"
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=policy))
+    run = cli(tmp_path, "run")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    step = json.loads(cli(tmp_path, "status", "--json").stdout)["steps"][0]
+    assert step["outcome"] == "rolled_back" and step["reason"] in ("no_gain", "regressed", "inconclusive"), step
+    starts = server_starts(tmp_path)
+    assert starts == {"baseline": ["live server (baseline)"],
+                      "other-seqs": ["live server (candidate)", "live server (baseline)",
+                                     "live server (candidate)", "live server (baseline)"]}, starts
+    samples = [(m["arm"], m["repeat"], json.loads(m["metrics"])) for m in measurements(tmp_path, "other-seqs")
+               if m["probe"] == "serving"]
+    assert [(arm, pair) for arm, pair, _ in samples] == [("candidate", 0), ("baseline", 0), ("baseline", 1),
+                                                         ("candidate", 1), ("candidate", 2), ("baseline", 2)]
+    seeds = {(arm, pair): metrics["seed"] for arm, pair, metrics in samples}
+    assert all(metrics["pair"] == pair for _, pair, metrics in samples)
+    assert [seeds["candidate", i] == seeds["baseline", i] for i in range(3)] == [True] * 3
+    assert len({seeds["candidate", i] for i in range(3)}) == 3
+    assert left_behind(str(tmp_path)) == []
+
+
+def start_run(folder: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
+                            cwd=folder, env=standin_env(folder), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_until(predicate, run: subprocess.Popen, what: str, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        assert run.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return found
+
+
+def test_sigterm_to_the_run_stops_its_server_first(tmp_path, vllm_pinned):
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "serve.yaml").write_text(SERVE)
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
+    run = start_run(tmp_path)
+    try:
+        wait_until(lambda: any("engine.server" in p for p in left_behind(str(tmp_path))), run, "the live server")
+        run.terminate()
+        assert run.wait(60) == 1
+        # the run stopped its server before it exited: nothing for a recovery to kill
+        assert left_behind(str(tmp_path)) == []
+        rows = query(tmp_path, "SELECT what, ended FROM processes WHERE what LIKE 'live server%'")
+        assert [r["what"] for r in rows] == ["live server (baseline)"] and rows[0]["ended"] is not None
+        assert query(tmp_path, "SELECT status FROM runs")[0]["status"] == "interrupted"
+        assert (tmp_path / "serve" / "serve.yaml").read_text() == SERVE
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
+def test_recover_kills_the_server_of_a_killed_run(tmp_path, vllm_pinned):
+    """kill -9 of `orchestrator run` while its live server is up: the kernel's SIGTERM to the server (it asked
+    for one when its parent dies) leaves a group member that ignores it; `recover` kills that group."""
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "serve.yaml").write_text(SERVE + "standin-ignore-sigterm: true\n")
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
+    run = start_run(tmp_path)
+    try:
+        wait_until(lambda: [p for p in left_behind(str(tmp_path)) if "SIG_IGN" in p], run, "the live server")
+        assert server_starts(tmp_path) == {"baseline": ["live server (baseline)"]}
+        run.kill()
+        run.wait(30)
+        time.sleep(2)  # the server itself takes the kernel's SIGTERM and exits; the stubborn member stays
+        stubborn = [p for p in left_behind(str(tmp_path)) if "SIG_IGN" in p]
+        assert stubborn, "the member that ignores SIGTERM outlived the killed run"
+        recovered = cli(tmp_path, "recover")
+        assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+        deadline = time.monotonic() + 10
+        while left_behind(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left_behind(str(tmp_path)) == []
+        assert query(tmp_path, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
+        assert query(tmp_path, "SELECT status FROM runs")[0]["status"] == "interrupted"
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for line in left_behind(str(tmp_path)):
+            psutil.Process(int(line.split(":")[0])).kill()

@@ -52,7 +52,11 @@ def test_default_probes_start_vllm_serve_live(deployment):
     target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", model="my/model",
                   serve_args=["--load-format", "dummy", "--additional-config", '{"a": 1}'], served_model_name="m36",
                   startup_timeout=120, stop_timeout=5)
-    greedy, serving = target.default_probes()
+    kernels, greedy, serving = target.default_probes()
+    # the kernel check of deployed shims starts no server: the staging loop runs it with none alive
+    assert (kernels["name"], kernels["role"]) == ("kernels", "correctness")
+    assert kernels["command"] == ["python", "-m", "orchestrator.targets.vllm", "check-kernels"]
+    assert greedy["command"][greedy["command"].index("--check-kernels") + 1] == "none"
     assert (greedy["name"], greedy["role"]) == ("greedy", "correctness")
     assert (serving["name"], serving["role"], serving["objective"]) == ("serving", "throughput", "score")
     serve = ["vllm", "serve", "my/model", "--config", str(deployment / "conf" / "serve.yaml"), "--host", "{host}",
@@ -74,13 +78,15 @@ def test_default_probes_start_vllm_serve_live(deployment):
 
 def test_probes_against_a_running_server_start_none(deployment):
     target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", objective="cpu_score")
-    for probe in target.probes_against("http://127.0.0.1:8123"):
+    against = target.probes_against("http://127.0.0.1:8123")
+    assert [p["name"] for p in against] == ["greedy", "serving"]  # the probes that talk to a server
+    for probe in against:
         cmd = probe["command"]
         assert cmd[cmd.index("--base-url") + 1] == "http://127.0.0.1:8123"
         assert "--server-cmd" not in cmd and "--stop-timeout" not in cmd
     serving = target.probes_against("http://x", 4321)[1]
     assert serving["objective"] == "cpu_score" and serving["command"][serving["command"].index("--server-pid") + 1] == "4321"
-    assert "--server-pid" not in target.default_probes()[1]["command"]
+    assert "--server-pid" not in target.default_probes()[2]["command"]
     server = target.live_server({"A": "1"}, label="shared")
     assert server.proc is None  # not started
     assert server.argv[:4] == ["vllm", "serve", "--config", str(deployment / "conf" / "serve.yaml")]
