@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 
 import httpx
@@ -52,6 +55,24 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(marker, t
     assert server.log_path.parent == tmp_path and server.log_path.name.startswith("run3-plugin_x=1_-greedy-")
     assert server.log_path.read_text().startswith(f"$ {PY} -c")  # a kept log says what ran
     server.stop()  # idempotent
+
+
+def test_a_sigterm_during_the_stop_is_delivered_once_the_group_is_gone(marker):
+    """The staging loop stops servers as a matter of course: a SIGTERM to it meanwhile must neither be lost
+    nor cut the stop short."""
+    server = LiveServer([PY, "-c", HEALTHY, "{port}", "stubborn", marker], stop_timeout=1.0)
+    server.start().wait_healthy(30)
+    seen: list[list] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: seen.append(alive_with(marker)))
+    try:
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        server.stop()
+        timer.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert server.stopped_by == "SIGKILL"
+    assert seen == [[]]  # delivered once, after every member had gone
 
 
 def test_never_healthy_is_a_timeout_within_its_deadline(marker):

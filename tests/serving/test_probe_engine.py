@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
 
 import httpx
 import pytest
 
-from serving_support import PY, REPO, alive_with, run_probe, write_config
-from orchestrator.probes.serving import Workload, failure, prefix_cache_hits, with_score
+from serving_support import PY, REPO, alive_with, env, run_probe, write_config
+from orchestrator.probes.serving import PAIR_STRIDE, Workload, failure, prefix_cache_hits, with_score
 
 WORKLOAD = ["--num-prompts", "8", "--input-len", "40", "--output-len", "6",
             "--shared-prefix-fraction", "0.5", "--max-concurrency", "4", "--seed", "3"]
@@ -181,3 +182,16 @@ def test_several_windows_report_the_best_and_each_one(tmp_path):
     assert out["seed"] in seeds and all(w["completed"] == 8 for w in out["windows"])
     # each pass starts cold for its own prompts: the cache holds only what that pass shares
     assert out["total_cached_tokens"] == 7 * 16 + 32
+
+
+def test_the_pair_index_offsets_the_seed_and_comes_from_the_environment(server):
+    """Both samples of a pair send the same prompts, other pairs other ones (docs/orchestrator.md 1.5)."""
+    args = ["--base-url", server, "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--seed", "5"]
+    rc, first, _ = run_probe(*args)
+    assert rc == 0 and (first["pair"], first["seed"]) == (0, 5)
+    rc, by_env, _ = run_probe(*args, ORCHESTRATOR_PAIR="2")
+    rc2, by_flag, _ = run_probe(*args, "--pair", "2", ORCHESTRATOR_PAIR="7")
+    assert rc == rc2 == 0 and by_env["seed"] == by_flag["seed"] == 5 + 2 * PAIR_STRIDE and by_flag["pair"] == 2
+    bad = subprocess.run([PY, "-m", "orchestrator.probes.serving", *args], capture_output=True, text=True,
+                         timeout=60, env=env(ORCHESTRATOR_PAIR="two"))
+    assert bad.returncode == 2 and "$ORCHESTRATOR_PAIR must be a whole number, got 'two'" in bad.stderr
