@@ -63,6 +63,7 @@ class EngineConfig(BaseModel):
     prefill_block_n: int = Field(64, ge=1)
     prefill_num_warps: int = Field(4, ge=1)
     moe_dispatch: VariantChain = "sorted"
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs; ignored on the CPU
 
     _source: str = PrivateAttr("<dict>")
     _model: ModelConfig | None = PrivateAttr(None)

@@ -8,7 +8,9 @@ import logging
 import torch
 
 from engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
+import kernels
 from engine.config import EngineConfig
+from engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from engine.kernel_choice import select_kernels
 from engine.layers.attention import PagedAttention
 from engine.layers.sampler import greedy
@@ -64,6 +66,8 @@ class ModelRunner:
         self._allocate_cache(self.num_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self._block_bytes() / GIB)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.graphs_off_reason = self._capture_decode_graphs()
 
     # ------------------------------------------------------------------ memory
     def _element_size(self) -> int:
@@ -115,15 +119,57 @@ class ModelRunner:
         return total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
 
     def _allocate_cache(self, num_blocks: int) -> None:
+        """``num_blocks`` for sequences plus one scratch block (the last) that padding rows of a
+        static decode step write to and read from."""
         cfg = self.config.hf
         x = 16 // self._element_size()
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
         for layer in self.attention_layers:
-            layer.key_cache = torch.zeros(num_blocks, cfg.num_kv_heads, cfg.head_size // x, self.block_size, x,
+            layer.key_cache = torch.zeros(num_blocks + 1, cfg.num_kv_heads, cfg.head_size // x, self.block_size, x,
                                           dtype=self.dtype, device=self.device)
-            layer.value_cache = torch.zeros(num_blocks, cfg.num_kv_heads, cfg.head_size, self.block_size,
+            layer.value_cache = torch.zeros(num_blocks + 1, cfg.num_kv_heads, cfg.head_size, self.block_size,
                                             dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ static decode steps
+    def _capture_decode_graphs(self) -> str | None:
+        """On a GPU with ``cuda-graphs: true``, capture the decode steps; returns why not, or None."""
+        if self.device.type != "cuda" or not self.config.cuda_graphs:
+            return None
+        reason = self._graph_blocker()
+        if reason is None:
+            try:
+                self.use_static_decode(capture=True)
+            except Exception as exc:  # a failed capture must not stop serving: stay eager, say why
+                self.decode_graphs, reason = None, f"capture failed: {type(exc).__name__}: {exc}"
+                torch.cuda.synchronize()
+        if reason is not None:
+            log.warning("cuda-graphs: decode steps stay eager: %s", reason)
+        return reason
+
+    def _graph_blocker(self) -> str | None:
+        """Why decode steps cannot be captured with the kernels chosen, or None."""
+        for key, op in (("attention-decode", "paged_decode"), ("moe-dispatch", "moe")):
+            variant = self.kernels.choice[key]
+            if not kernels.graph_safe(op, variant):
+                return f"{key} variant {variant} waits on the device (graph-safe: v2_triton, triton)"
+        return None
+
+    def use_static_decode(self, capture: bool) -> None:
+        """Run pure decode steps on static, bucket-padded buffers: captured as CUDA graphs when
+        ``capture`` (needs a GPU and graph-safe kernels), else eagerly through the same code."""
+        self.decode_graphs = DecodeGraphs(
+            self.model, min(self.config.max_num_seqs, MAX_GRAPH_BATCH), _cdiv(self.config.max_model_len, self.block_size),
+            self.block_size, self.num_blocks, self.device, capture)
+
+    def _static_decode_fits(self, scheduled: list[ScheduledSeq]) -> bool:
+        graphs = self.decode_graphs
+        if graphs is None or len(scheduled) > graphs.max_rows or any(s.num_new_tokens != 1 for s in scheduled):
+            return False
+        if self.kernels.choice["attention-decode"] == self.kernels.choice["attention-decode-long"]:
+            return True
+        threshold = self.config.decode_long_threshold
+        return all(s.seq.num_computed_tokens + 1 <= threshold for s in scheduled)
 
     # ------------------------------------------------------------------ one step
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -185,6 +231,9 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int | None]:
         """The sampled token of each scheduled sequence whose chunk reaches its end, else None."""
+        if self._static_decode_fits(scheduled):
+            tokens = self.decode_graphs.run(scheduled)
+            return [t if item.samples else None for item, t in zip(scheduled, tokens)]
         input_ids, positions, meta, sample_rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, meta)
         out: list[int | None] = [None] * len(scheduled)

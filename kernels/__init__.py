@@ -36,6 +36,19 @@ _REGISTRY: dict[str, dict[str, str]] = {
 }
 
 
+# Variants that never wait on the device (no ``.item()``, ``.tolist()``, host-side maximum or
+# data-dependent output size): a CUDA graph can capture them.
+_GRAPH_SAFE: dict[str, set[str]] = {
+    "paged_decode": {"v2_triton"},
+    "moe": {"triton"},
+}
+
+
+def graph_safe(op: str, variant: str) -> bool:
+    """True when ``variant`` of ``op`` can run inside a captured CUDA graph."""
+    return variant in _GRAPH_SAFE.get(op, ())
+
+
 # Whether the user asked for Triton's interpreter, read before any Triton module sets it for itself
 # (they do on machines without CUDA, so that tests can run them).
 INTERPRET_REQUESTED = os.environ.get("TRITON_INTERPRET") == "1"

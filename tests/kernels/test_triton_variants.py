@@ -44,8 +44,29 @@ def test_decode_many_splits_and_explicit_bound(dtype):
     args = inputs.paged_decode([70, 3, 129], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, dtype=dtype)
     fn = kernels.get("paged_decode", "v2_triton")
     wide = {**args, "block_tables": torch.nn.functional.pad(args["block_tables"], (0, 40), value=10**6)}
-    assert _error("paged_decode", functools.partial(fn, block_n=16), wide) < check.TOLERANCE[dtype]
-    assert _error("paged_decode", functools.partial(fn, max_seq_len=129, block_n=16), args) < check.TOLERANCE[dtype]
+    assert _error("paged_decode", functools.partial(fn, block_n=16, min_split=16), wide) < check.TOLERANCE[dtype]
+    assert _error("paged_decode", functools.partial(fn, max_seq_len=129, block_n=16, min_split=16),
+                  args) < check.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("min_split", [16, 32, 48])
+def test_decode_splits_follow_each_sequence_length(min_split):
+    """The grid's split count is fixed on the host; each sequence spreads its own length over it,
+    so a short and a long context in one launch both come out right (and a loose bound only adds
+    programs that exit at once)."""
+    args = inputs.paged_decode([1, 16, 17, 200, 95], num_heads=4, num_kv_heads=2, head_size=16, block_size=8)
+    fn = kernels.get("paged_decode", "v2_triton")
+    for bound in (200, 4096):
+        err = _error("paged_decode", functools.partial(fn, max_seq_len=bound, block_n=16, min_split=min_split), args)
+        assert err < check.TOLERANCE[torch.float32], (bound, err)
+
+
+def test_decode_split_count_fills_the_machine_and_respects_the_minimum_split():
+    from kernels.decode_triton import num_splits
+    cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 16 programs wanted at 4 per SM
+    assert num_splits(1, 2, 4096, cpu, 256) == 8
+    assert num_splits(1, 2, 300, cpu, 256) == 2  # a 300-token bound fills 2 splits of 256
+    assert num_splits(64, 2, 4096, cpu, 256) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -65,7 +65,8 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for step in status["steps"]:
         outcomes.setdefault(step["plugin"], []).append((step["outcome"], step["reason"], step.get("params")))
 
-    for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton"):
+    # cuda-graphs applies only where the engine runs on a GPU
+    for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton", "cuda-graphs"):
         assert outcomes[pid] == [("skipped", "not_applicable", None)]
     for pid in ("max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-triton",
                 "prefill-triton", "moe-triton"):
@@ -76,7 +77,9 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for result in outcomes.values():  # nothing failed to apply or verify
         assert not {o[1] for o in result} & {"apply_failed", "verify_failed"}, outcomes
 
-    assert load_config(serve).model_dump() == load_config(CONFIGS / "optimized.yaml").model_dump()
+    kept, optimized = load_config(serve).model_dump(), load_config(CONFIGS / "optimized.yaml").model_dump()
+    assert (kept.pop("cuda_graphs"), optimized.pop("cuda_graphs")) == (False, True)
+    assert kept == optimized
     assert yaml.safe_load(serve.read_text())["max-num-seqs"] == 256
 
     back = cli(tmp_path, "rollback", "--all")
