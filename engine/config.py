@@ -20,6 +20,8 @@ KERNEL_KEYS = {
     "attention-decode-long": "paged_decode",
     "attention-prefill": "prefix_prefill",
     "moe-dispatch": "moe",
+    "rms-norm": "rms_norm",
+    "qk-norm-rope": "qk_norm_rope",
 }
 
 
@@ -63,6 +65,8 @@ class EngineConfig(BaseModel):
     prefill_block_n: int = Field(64, ge=1)
     prefill_num_warps: int = Field(4, ge=1)
     moe_dispatch: VariantChain = "sorted"
+    rms_norm: VariantChain = "torch"  # residual add + RMSNorm
+    qk_norm_rope: VariantChain = "torch"  # per-head q/k RMSNorm + rotary embedding
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs; ignored on the CPU
 
     _source: str = PrivateAttr("<dict>")
@@ -83,7 +87,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"must be a power of two up to 512, got {v}")
         return v
 
-    @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch")
+    @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch", "rms_norm",
+                     "qk_norm_rope")
     @classmethod
     def _chain(cls, v: VariantChain) -> VariantChain:
         if isinstance(v, list) and not v:

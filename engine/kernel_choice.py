@@ -14,6 +14,7 @@ import torch
 
 import kernels
 from kernels import inputs
+from kernels.check import outputs
 from engine.config import KERNEL_KEYS, EngineConfig
 from engine.model_config import ModelConfig
 
@@ -29,6 +30,8 @@ class Kernels:
     decode_long: Callable
     prefill: Callable
     moe: Callable
+    rms_norm: Callable
+    qk_norm_rope: Callable
     prefill_kwargs: dict[str, int]
     choice: dict[str, str] = field(default_factory=dict)  # serve-config key -> variant used
 
@@ -40,6 +43,12 @@ def _check_inputs(op: str, model: ModelConfig, block_size: int, dtype, device, s
         return inputs.paged_decode([1, block_size + 3, 600], **geometry)
     if op == "prefix_prefill":
         return inputs.prefix_prefill([(0, 5), (block_size + 3, 20), (40, 1)], **geometry)
+    if op == "rms_norm":
+        return inputs.rms_norm(12, hidden=model.hidden_size, dtype=dtype, device=device, seed=seed)
+    if op == "qk_norm_rope":
+        return inputs.qk_norm_rope(12, model.num_heads, model.num_kv_heads, model.head_size, model.rotary_dim,
+                                   gated=model.attn_output_gate, theta=model.rope_theta, dtype=dtype, device=device,
+                                   seed=seed)
     experts = min(model.num_experts, 16)
     return inputs.moe(12, hidden=model.hidden_size, experts=experts, intermediate=model.moe_intermediate_size,
                       top_k=min(model.top_k, experts), dtype=dtype, device=device, seed=seed)
@@ -57,14 +66,18 @@ def self_check(op: str, variant: str, args: dict, extra: dict) -> str | None:
         ref = kernels.get(op, "reference")(**args, **extra)
     except Exception as exc:  # any failure of an optional kernel just means: try the next one
         return f"{type(exc).__name__}: {exc}".splitlines()[0]
-    if out.shape != ref.shape or out.dtype != ref.dtype:
-        return f"returned {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)} {ref.dtype}"
-    if not torch.isfinite(out).all():
-        return "output holds NaN or infinity"
-    err = float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-    tol = TOLERANCE.get(ref.dtype, 1e-4)
-    if err > tol:
-        return f"relative error {err:.2e} above {tol:.0e}"
+    out, ref = outputs(out), outputs(ref)
+    if len(out) != len(ref):
+        return f"returned {len(out)} outputs, expected {len(ref)}"
+    for o, r in zip(out, ref):
+        if o.shape != r.shape or o.dtype != r.dtype:
+            return f"returned {tuple(o.shape)} {o.dtype}, expected {tuple(r.shape)} {r.dtype}"
+        if not torch.isfinite(o).all():
+            return "output holds NaN or infinity"
+        err = float((o.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
+        tol = TOLERANCE.get(r.dtype, 1e-4)
+        if err > tol:
+            return f"relative error {err:.2e} above {tol:.0e}"
     return None
 
 
@@ -86,5 +99,6 @@ def select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtyp
             raise config.error(key, "no variant passed the start-up self-check: " + "; ".join(failures))
         log.info("%s: using %s", key, choice[key])
     return Kernels(decode=chosen["attention-decode"], decode_long=chosen["attention-decode-long"],
-                   prefill=chosen["attention-prefill"], moe=chosen["moe-dispatch"],
+                   prefill=chosen["attention-prefill"], moe=chosen["moe-dispatch"], rms_norm=chosen["rms-norm"],
+                   qk_norm_rope=chosen["qk-norm-rope"],
                    prefill_kwargs=config.prefill_kwargs(), choice=choice)

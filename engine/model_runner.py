@@ -9,7 +9,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
 import kernels
-from engine.config import EngineConfig
+from engine.config import KERNEL_KEYS, EngineConfig
 from engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from engine.kernel_choice import select_kernels
 from engine.layers.attention import PagedAttention
@@ -149,9 +149,9 @@ class ModelRunner:
 
     def _graph_blocker(self) -> str | None:
         """Why decode steps cannot be captured with the kernels chosen, or None."""
-        for key, op in (("attention-decode", "paged_decode"), ("moe-dispatch", "moe")):
+        for key in ("attention-decode", "moe-dispatch", "rms-norm", "qk-norm-rope"):
             variant = self.kernels.choice[key]
-            if not kernels.graph_safe(op, variant):
+            if not kernels.graph_safe(KERNEL_KEYS[key], variant):
                 return f"{key} variant {variant} waits on the device (graph-safe: v2_triton, triton)"
         return None
 

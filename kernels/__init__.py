@@ -9,7 +9,7 @@ import importlib
 import os
 from typing import Callable
 
-OPS = ("paged_decode", "prefix_prefill", "moe")
+OPS = ("paged_decode", "prefix_prefill", "moe", "rms_norm", "qk_norm_rope")
 
 # op -> variant -> "module:function"; the first entry of each op is its float64 reference.
 _REGISTRY: dict[str, dict[str, str]] = {
@@ -33,6 +33,16 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "grouped_mm": "kernels.moe_torch:moe_grouped_mm",
         "triton": "kernels.moe_triton:moe_triton",
     },
+    "rms_norm": {
+        "reference": "kernels.reference:rms_norm",
+        "torch": "kernels.norm_torch:rms_norm",
+        "triton": "kernels.norm_triton:rms_norm_triton",
+    },
+    "qk_norm_rope": {
+        "reference": "kernels.reference:qk_norm_rope",
+        "torch": "kernels.norm_torch:qk_norm_rope",
+        "triton": "kernels.norm_triton:qk_norm_rope_triton",
+    },
 }
 
 
@@ -41,6 +51,8 @@ _REGISTRY: dict[str, dict[str, str]] = {
 _GRAPH_SAFE: dict[str, set[str]] = {
     "paged_decode": {"v2_triton"},
     "moe": {"triton"},
+    "rms_norm": {"torch", "triton"},
+    "qk_norm_rope": {"torch", "triton"},
 }
 
 

@@ -3,8 +3,8 @@
     python -m kernels.check --op paged_decode --variant v2_triton --device cuda --dtype bfloat16
 
 Every call draws fresh random inputs over a shape list that holds the edges where kernels break
-(partition boundaries, partial blocks, empty contexts, experts with no token, GQA 4 and 8, head
-sizes 128 and 256). The last stdout line is one JSON object: passed, worst error, where it occurred.
+(partition boundaries, partial blocks, empty contexts, experts with no token, shared experts, GQA 4
+and 8, head sizes 128 and 256). The last stdout line is one JSON object: passed, worst error, where it occurred.
 """
 from __future__ import annotations
 
@@ -43,10 +43,24 @@ FULL = {
         dict(tokens=7, hidden=256, experts=64, intermediate=128, top_k=8, unused_experts=16),
         dict(tokens=300, hidden=512, experts=32, intermediate=256, top_k=4, unused_experts=3),
         dict(tokens=64, hidden=128, experts=16, intermediate=64, top_k=2, unused_experts=5),
+        dict(tokens=9, hidden=128, experts=16, intermediate=64, top_k=4, shared_experts=1),
     ],
 }
+FULL["rms_norm"] = [
+    dict(tokens=1, hidden=2048, residual=True),
+    dict(tokens=300, hidden=2048, residual=False),
+    dict(tokens=64, hidden=2048, residual=True),
+    dict(tokens=33, hidden=1000, residual=True),
+]
+FULL["qk_norm_rope"] = [
+    dict(tokens=1, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
+    dict(tokens=300, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
+    dict(tokens=17, num_heads=8, num_kv_heads=2, head_size=128, rotary_dim=128, gated=False),
+    dict(tokens=9, num_heads=4, num_kv_heads=4, head_size=96, rotary_dim=24),
+]
 # Qwen3.6-35B-A3B's expert shapes are too large for a float64 CPU reference; checked on CUDA only.
-CUDA_ONLY = {"moe": [dict(tokens=64, hidden=2048, experts=256, intermediate=512, top_k=8, unused_experts=32)]}
+CUDA_ONLY = {"moe": [dict(tokens=64, hidden=2048, experts=256, intermediate=512, top_k=8, unused_experts=32),
+                     dict(tokens=300, hidden=2048, experts=256, intermediate=512, top_k=8, shared_experts=1)]}
 
 # Small enough for the Triton interpreter, still crossing blocks, partitions and GQA groups.
 SMALL = {
@@ -61,6 +75,15 @@ SMALL = {
     "moe": [
         dict(tokens=5, hidden=32, experts=8, intermediate=16, top_k=2, unused_experts=3),
         dict(tokens=33, hidden=64, experts=6, intermediate=32, top_k=3),
+        dict(tokens=6, hidden=32, experts=8, intermediate=16, top_k=2, shared_experts=1, unused_experts=2),
+    ],
+    "rms_norm": [
+        dict(tokens=5, hidden=64, residual=True),
+        dict(tokens=3, hidden=48, residual=False),
+    ],
+    "qk_norm_rope": [
+        dict(tokens=5, num_heads=4, num_kv_heads=2, head_size=32, rotary_dim=8),
+        dict(tokens=3, num_heads=2, num_kv_heads=1, head_size=16, rotary_dim=16, gated=False),
     ],
 }
 
@@ -85,7 +108,18 @@ def _poison(device: str, numel: int) -> None:
         torch.empty(numel * 2, dtype=torch.float32, device=device).fill_(float("nan"))
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+def outputs(out) -> tuple[torch.Tensor, ...]:
+    """An op's outputs as a tuple (rms_norm with a residual and qk_norm_rope return two)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def rel_error(out, ref) -> float:
+    """Worst ‖out − ref‖ / ‖ref‖ over the outputs; NaN when any output is non-finite."""
+    errors = [_rel_error(o, r) for o, r in zip(outputs(out), outputs(ref))]
+    return float("nan") if any(e != e for e in errors) else max(errors)
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     if not torch.isfinite(out).all():
         return float("nan")
@@ -101,16 +135,21 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_one(fn: Callable, reference: Callable, args: dict) -> float:
     """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed."""
     before = {k: v.clone() for k, v in args.items() if torch.is_tensor(v)}
-    ref_out = reference(**as_float64(args))
-    _poison(ref_out.device.type, ref_out.numel())
-    out = fn(**args)
+    ref_out = outputs(reference(**as_float64(args)))
+    _poison(ref_out[0].device.type, sum(r.numel() for r in ref_out))
+    out = outputs(fn(**args))
     for k, v in before.items():
         if not _same_bytes(v, args[k]):
             raise AssertionError(f"input {k!r} was modified")
-    if out.shape != ref_out.shape or out.dtype != next(v for v in args.values() if torch.is_tensor(v)).dtype:
-        raise AssertionError(f"output {tuple(out.shape)} {out.dtype} does not match {tuple(ref_out.shape)}")
-    if out.data_ptr() in {v.data_ptr() for v in args.values() if torch.is_tensor(v)}:
-        raise AssertionError("output aliases an input")
+    dtype = next(v for v in args.values() if torch.is_tensor(v)).dtype
+    if len(out) != len(ref_out):
+        raise AssertionError(f"{len(out)} outputs, the reference gives {len(ref_out)}")
+    inputs_at = {v.data_ptr() for v in args.values() if torch.is_tensor(v)}
+    for o, r in zip(out, ref_out):
+        if o.shape != r.shape or o.dtype != dtype:
+            raise AssertionError(f"output {tuple(o.shape)} {o.dtype} does not match {tuple(r.shape)} {dtype}")
+        if o.data_ptr() in inputs_at:
+            raise AssertionError("output aliases an input")
     return rel_error(out, ref_out)
 
 

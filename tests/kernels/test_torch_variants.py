@@ -7,7 +7,8 @@ from kernels import check, inputs
 
 TORCH_VARIANTS = [("paged_decode", "v1"), ("paged_decode", "v2"), ("paged_decode", "v2_layout"),
                   ("prefix_prefill", "loop"), ("prefix_prefill", "pregather"),
-                  ("moe", "gather"), ("moe", "sorted"), ("moe", "grouped_mm")]
+                  ("moe", "gather"), ("moe", "sorted"), ("moe", "grouped_mm"),
+                  ("rms_norm", "torch"), ("qk_norm_rope", "torch")]
 
 
 @pytest.mark.parametrize("op,variant", TORCH_VARIANTS)
