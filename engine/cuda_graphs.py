@@ -35,24 +35,25 @@ def bucket_sizes(max_rows: int) -> list[int]:
 
 
 class StaticDecodeInputs:
-    """Device buffers a decode step reads, filled from pinned host buffers with one non-blocking
-    copy for the per-row values and one for the used part of the block tables."""
+    """Device buffers a decode step reads, filled from pinned host buffers by two non-blocking
+    copies: the per-row values (all rows, a few KiB), and the used columns of the block tables
+    (staged contiguously, so the copy moves only what this step's contexts need)."""
 
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, scratch_block: int,
                  device: torch.device):
         pin = device.type == "cuda"
         self.max_rows, self.block_size, self.scratch_block = max_rows, block_size, scratch_block
         self.host = torch.zeros(5, max_rows, dtype=torch.int64, pin_memory=pin)
-        self.host_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_rows * max_blocks, dtype=torch.int32, pin_memory=pin)
         self._h, self._ht = self.host.numpy(), self.host_tables.numpy()
         self.meta = torch.zeros(5, max_rows, dtype=torch.int64, device=device)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self._pad(0, max_rows)
+        self._pad_rows(0, max_rows)
         self.meta.copy_(self.host)
-        self.tables.copy_(self.host_tables)
+        self.tables[:, 0] = scratch_block
 
-    def _pad(self, start: int, end: int) -> None:
+    def _pad_rows(self, start: int, end: int) -> None:
         """Rows ``start:end`` decode one token of the scratch block and write their K/V there."""
         h = self._h
         h[IDS, start:end] = 0
@@ -60,12 +61,12 @@ class StaticDecodeInputs:
         h[SLOT_BLOCKS, start:end] = self.scratch_block
         h[SLOT_OFFSETS, start:end] = 0
         h[SEQ_LENS, start:end] = 1
-        self._ht[start:end, 0] = self.scratch_block
 
     def fill(self, scheduled: list[ScheduledSeq], rows: int) -> None:
         """Row i decodes ``scheduled[i]``'s next token; rows past them are padding."""
-        bs, h, ht = self.block_size, self._h, self._ht
-        width = 1
+        bs, h = self.block_size, self._h
+        width = max(item.seq.num_computed_tokens // bs + 1 for item in scheduled)
+        tables = self._ht[:rows * width].reshape(rows, width)
         for i, item in enumerate(scheduled):
             seq = item.seq
             pos = seq.num_computed_tokens
@@ -75,11 +76,11 @@ class StaticDecodeInputs:
             h[SLOT_OFFSETS, i] = pos % bs
             h[SEQ_LENS, i] = pos + 1
             used = pos // bs + 1
-            ht[i, :used] = seq.block_table[:used]
-            width = max(width, used)
-        self._pad(len(scheduled), rows)
-        self.meta[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
-        self.tables[:rows, :width].copy_(self.host_tables[:rows, :width], non_blocking=True)
+            tables[i, :used] = seq.block_table[:used]
+        self._pad_rows(len(scheduled), rows)
+        tables[len(scheduled):, 0] = self.scratch_block
+        self.meta.copy_(self.host, non_blocking=True)
+        self.tables[:rows, :width].copy_(self.host_tables[:rows * width].view(rows, width), non_blocking=True)
 
     def metadata(self, rows: int) -> AttentionMetadata:
         m = self.meta

@@ -11,6 +11,7 @@ from engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGro
 import kernels
 from engine.config import KERNEL_KEYS, EngineConfig
 from engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from engine.host_staging import HostStaging
 from engine.kernel_choice import select_kernels
 from engine.layers.attention import PagedAttention
 from engine.layers.sampler import greedy
@@ -54,6 +55,7 @@ class ModelRunner:
         if fixed_budget is not None:  # fail before allocating anything
             self._blocks_for(fixed_budget, "kv-cache-memory")
         self.kernels = select_kernels(config, self.device, self.dtype)
+        self.staging = HostStaging(self.device)
         with _defaults(self.device, self.dtype):
             self.model = Qwen3MoeForCausalLM(cfg, self.kernels)
         self.model.requires_grad_(False)
@@ -173,11 +175,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return self.staging.tensor(values, dtype)
 
     def _tables(self, seqs_blocks: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(b) for b in seqs_blocks))
-        return self._tensor([b + [0] * (width - len(b)) for b in seqs_blocks], torch.int32)
+        flat = [x for b in seqs_blocks for x in b + [0] * (width - len(b))]
+        return self._tensor(flat, torch.int32).view(len(seqs_blocks), width)
 
     def _decode_group(self, scheduled: list[ScheduledSeq], rows: list[int], start: int) -> DecodeGroup | None:
         if not rows:
@@ -191,6 +194,7 @@ class ModelRunner:
         decodes, prefills; ``sample_rows`` pairs the batch row of each last token with its index
         in ``scheduled``."""
         bs, threshold = self.block_size, self.config.decode_long_threshold
+        self.staging.begin_step()
         short, long_, prefill = [], [], []
         for i, item in enumerate(scheduled):
             if item.num_new_tokens > 1:

@@ -69,7 +69,7 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton", "cuda-graphs"):
         assert outcomes[pid] == [("skipped", "not_applicable", None)]
     for pid in ("max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-triton",
-                "prefill-triton", "moe-triton"):
+                "prefill-triton", "moe-triton", "fused-norm-rope"):
         assert [o[:2] for o in outcomes[pid]] == [("kept", None)], (pid, outcomes[pid])
     assert outcomes["decode-threshold-64k"][0][:2] == ("rolled_back", "regressed")
     kept_tuning = [o[2] for o in outcomes["prefill-triton-tuning"] if o[0] == "kept"]

@@ -22,7 +22,7 @@ SHIPPED = {
     "decode-v2-long", "decode-v2-triton", "decode-v2-layout", "decode-threshold-64k",  # decode
     "prefill-pregather", "prefill-triton", "prefill-triton-tuning",            # prefix prefill
     "moe-sorted", "moe-triton",                                                 # MoE
-    "cuda-graphs",                                                              # engine decode steps
+    "fused-norm-rope", "cuda-graphs",                                           # engine decode steps
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
 }
 
