@@ -1,6 +1,7 @@
 """Offline batch generation on top of ``LLMEngine``."""
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,26 @@ from engine.llm_engine import LLMEngine
 class LLM:
     def __init__(self, config: str | Path | dict[str, Any] | EngineConfig):
         self.engine = LLMEngine(config)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the weights and the KV cache now and hand the GPU memory back to the driver, so
+        that the next engine (or another process) can take the card; the LLM is unusable after."""
+        if self.engine is None:
+            return
+        device = self.engine.model_runner.device
+        self.engine = None
+        gc.collect()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
 
     @property
     def kernel_choice(self) -> dict[str, str]:

@@ -89,16 +89,24 @@ class ModelRunner:
         if need > free:
             raise self.config.error(
                 "num-layers", f"the weights need {need / GIB:.1f} GiB but {self.device} has {free / GIB:.1f} GiB "
-                              f"free of {total / GIB:.1f}; lower num-layers")
+                              f"free of {total / GIB:.1f}; lower num-layers, or free the card: {self._holders()}")
+
+    def _holders(self) -> str:
+        import os
+
+        from engine.gpu_memory import describe_holders
+
+        return describe_holders(self.device.index or 0, os.getpid())
 
     def _blocks_for(self, budget: float, key: str) -> int:
         num_blocks = max(0, int(budget // self._block_bytes()))
         need = _cdiv(self.config.max_model_len, self.block_size)
         if num_blocks < need:
+            on_card = f"; {self._holders()}" if self.device.type == "cuda" else ""
             raise self.config.error(
                 key, f"the KV cache would hold {num_blocks * self.block_size} tokens ({max(budget, 0) / GIB:.3f} GiB),"
                      f" fewer than one sequence of max-model-len {self.config.max_model_len}; "
-                     f"give it more memory or lower max-model-len")
+                     f"give it more memory or lower max-model-len{on_card}")
         return num_blocks
 
     def _profile_cache_budget(self) -> float:

@@ -67,10 +67,13 @@ def record(config: EngineConfig, path: Path) -> dict:
     """Generates the reference with every kernel on its float64 reference variant; writes
     ``path`` atomically, so a failure leaves no partial file."""
     prompts = prompt_set()
-    ref_config = fit(config, prompts, MAX_TOKENS,
+    # float64 attention materialises whole score matrices: batches no longer than the longest
+    # prompt keep the reference engine's profiling prefill small on any deployment's settings
+    need = max(map(len, prompts)) + MAX_TOKENS
+    ref_config = fit(config, prompts, MAX_TOKENS, max_model_len=need, max_num_batched_tokens=need,
                      **{key.replace("-", "_"): "reference" for key in KERNEL_KEYS})
     reference = {"format": FORMAT, **identity(config), "max_tokens": MAX_TOKENS,
-                 "prompts": prompts, "outputs": LLM(ref_config).generate(prompts, MAX_TOKENS)}
+                 "prompts": prompts, "outputs": generate(ref_config, prompts, MAX_TOKENS)[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -111,32 +114,82 @@ def compare(expected: list[list[int]], got: list[list[int]], early_tokens: int) 
             "early_divergence_fraction": sum(f < early_tokens for f in first) / len(first)}
 
 
-class KernelChecks:
-    """``python -m kernels.check`` for each distinct (op, variant) the engine runs, started as soon
-    as the engine has chosen its kernels, so that they run while it generates."""
+def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
+    """Greedy completions and the kernels chosen, from an engine that is freed before this returns:
+    at most one engine holds the card at a time, whatever the probe does next."""
+    with LLM(config) as llm:
+        return llm.generate(prompts, max_tokens), dict(llm.kernel_choice)
 
-    def __init__(self, config: EngineConfig, mode: str):
+
+def kernels_digest() -> str:
+    """Hash of the kernel library's source: a check passed by the same code on the same device
+    and dtype need not run again for every candidate of a run."""
+    import hashlib
+
+    import kernels
+
+    h = hashlib.sha256()
+    for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class KernelChecks:
+    """``python -m kernels.check`` for each distinct (op, variant) the engine ran, in parallel
+    processes, started only once no engine of this probe holds the device (each check then has the
+    card's memory to itself and the engine's KV cache reservation cannot starve it).
+
+    Passed checks are remembered in ``cache`` under the kernels' source digest, device, dtype and
+    shape list; a failed one runs again next time."""
+
+    def __init__(self, config: EngineConfig, mode: str, cache: Path | None = None):
         self.device = config.torch_device().type
         self.dtype = str(config.torch_dtype()).removeprefix("torch.")
         self.small = mode == "small" or (mode == "auto" and self.device == "cpu")
-        self._procs: dict[tuple[str, str], subprocess.Popen] = {}
+        self.cache = cache
 
-    def start(self, choice: dict[str, str]) -> None:
-        for op, variant in sorted({(KERNEL_KEYS[k], v) for k, v in choice.items() if v != "reference"}):
-            if (op, variant) not in self._procs:
+    def _key(self, digest: str, op: str, variant: str) -> str:
+        return f"{digest}/{self.device}/{self.dtype}/{'small' if self.small else 'full'}/{op}/{variant}"
+
+    def _load_cache(self) -> dict:
+        try:
+            data = json.loads(self.cache.read_text()) if self.cache else {}
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save_cache(self, data: dict) -> None:
+        tmp = self.cache.with_name(f".{self.cache.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, self.cache)
+
+    def run(self, choice: dict[str, str]) -> list[dict]:
+        wanted = sorted({(KERNEL_KEYS[k], v) for k, v in choice.items() if v != "reference"})
+        digest = kernels_digest() if self.cache else ""
+        cached = self._load_cache()
+        results: dict[tuple[str, str], dict] = {}
+        procs: dict[tuple[str, str], subprocess.Popen] = {}
+        try:
+            for op, variant in wanted:
+                if (hit := cached.get(self._key(digest, op, variant))) is not None:
+                    results[op, variant] = {**hit, "cached": True}
+                    continue
                 argv = [sys.executable, "-m", "kernels.check", "--op", op, "--variant", variant,
                         "--device", self.device, "--dtype", self.dtype, *(["--small"] if self.small else [])]
-                self._procs[op, variant] = subprocess.Popen(argv, stdout=subprocess.PIPE,
-                                                            stderr=subprocess.PIPE, text=True)
-
-    def results(self) -> list[dict]:
-        return [self._result(op, variant, proc) for (op, variant), proc in self._procs.items()]
-
-    def kill(self) -> None:
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+                procs[op, variant] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                      text=True)
+            for (op, variant), proc in procs.items():
+                results[op, variant] = self._result(op, variant, proc)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        fresh = {self._key(digest, op, variant): r for (op, variant), r in results.items()
+                 if r["passed"] and not r.get("cached")}
+        if self.cache and fresh:
+            self._save_cache({**self._load_cache(), **fresh})
+        return [results[k] for k in wanted]
 
     @staticmethod
     def _result(op: str, variant: str, proc: subprocess.Popen) -> dict:
@@ -172,26 +225,21 @@ def judge(reference: dict, config: EngineConfig, args: argparse.Namespace) -> di
         passes["long_decode"] = fit(config, prompts, max_tokens, decode_long_threshold=LONG_SPLIT)
     result: dict = {"mode": "exact" if exact else "agreement", "passes": {}}
     choice: dict[str, str] = {}
-    checks = KernelChecks(config, args.kernel_checks)
-    try:
-        for name, cfg in passes.items():
-            try:
-                llm = LLM(cfg)
-                if args.kernel_checks != "none":
-                    checks.start(llm.kernel_choice)
-                outputs = llm.generate(prompts, max_tokens)
-            except ConfigError:
-                raise
-            except Exception as exc:  # a crashing kernel is an incorrect candidate, not a probe bug
-                raise ProbeFailure(f"{name}: the engine failed: {type(exc).__name__}: {exc}") from None
-            choice.update(llm.kernel_choice)
-            cmp = compare(reference["outputs"], outputs, args.early_tokens)
-            cmp["passed"] = cmp["exact"] if exact else cmp["early_divergence_fraction"] <= args.max_early_fraction
-            result["passes"][name] = cmp
-        result["kernels"] = choice
-        result["kernel_checks"] = checks.results()
-    finally:
-        checks.kill()
+    for name, cfg in passes.items():
+        try:
+            outputs, chosen = generate(cfg, prompts, max_tokens)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a crashing kernel is an incorrect candidate, not a probe bug
+            raise ProbeFailure(f"{name}: the engine failed: {type(exc).__name__}: {exc}") from None
+        choice.update(chosen)
+        cmp = compare(reference["outputs"], outputs, args.early_tokens)
+        cmp["passed"] = cmp["exact"] if exact else cmp["early_divergence_fraction"] <= args.max_early_fraction
+        result["passes"][name] = cmp
+    result["kernels"] = choice
+    cache = None if args.no_check_cache else args.reference.with_name("engine-kernel-checks.json")
+    result["kernel_checks"] = ([] if args.kernel_checks == "none"
+                               else KernelChecks(config, args.kernel_checks, cache).run(choice))
     failed = _failures(result, exact, args)
     result["passed"] = not failed
     if failed:
@@ -222,6 +270,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kernel-checks", choices=["auto", "full", "small", "none"], default="auto",
                    help="shape list for kernels.check of each kernel the engine runs; auto: full on "
                         "CUDA, small on CPU (the full list takes minutes there)")
+    p.add_argument("--no-check-cache", action="store_true",
+                   help="run every kernel check, even one passed before by the same kernel source on the "
+                        "same device and dtype (remembered beside --reference)")
     return p.parse_args(argv)
 
 

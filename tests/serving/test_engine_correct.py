@@ -140,9 +140,74 @@ def test_bad_config_records_nothing(tmp_path, capsys):
 
 def test_failing_kernel_check_fails_the_probe(tmp_path):
     checks = engine_correct.KernelChecks(load_config(config(tmp_path, "c")), "auto")
-    checks.start({"moe-dispatch": "sorted", "attention-decode": "no_such"})
-    results = checks.results()
+    results = checks.run({"moe-dispatch": "sorted", "attention-decode": "no_such"})
     by_variant = {r["variant"]: r for r in results}
     assert by_variant["sorted"]["passed"] is True and by_variant["sorted"]["worst_error"] < 1e-4
     assert by_variant["no_such"]["passed"] is False
     assert "unknown variant 'no_such'" in by_variant["no_such"]["error"]
+
+
+def test_at_most_one_engine_alive_and_kernel_checks_run_with_none(fp32_reference, capsys, monkeypatch):
+    """On one GPU two engines each reserving most of the card cannot coexist, and a kernel check
+    started beside an engine competes with its cache: the probe frees each engine before the next
+    is made and starts the checks only once none is left."""
+    _, ref, root = fp32_reference
+    live, peak, live_at_checks = [0], [0], []
+
+    class CountingLLM(engine_correct.LLM):
+        def __init__(self, config):
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            super().__init__(config)
+
+        def close(self):
+            if self.engine is not None:
+                live[0] -= 1
+            super().close()
+
+    real_run = engine_correct.KernelChecks.run
+
+    def run(self, choice):
+        live_at_checks.append(live[0])
+        return real_run(self, choice)
+
+    monkeypatch.setattr(engine_correct, "LLM", CountingLLM)
+    monkeypatch.setattr(engine_correct.KernelChecks, "run", run)
+    rc, out = probe(capsys, "--reference", str(ref), "--config", str(root / "serve.yaml"),
+                    "--kernel-checks", "small")
+    assert rc == 0, out
+    assert set(out["passes"]) == {"as_configured", "long_decode"}  # two engines were made...
+    assert peak[0] == 1 and live[0] == 0  # ...one after the other, both freed
+    assert live_at_checks == [0] and all(c["passed"] for c in out["kernel_checks"])
+
+
+def test_close_frees_the_model(tmp_path):
+    import weakref
+
+    from engine import LLM
+
+    llm = LLM(config(tmp_path, "close"))
+    model = weakref.ref(llm.engine.model_runner.model)
+    with llm:
+        assert llm.generate([[1, 2, 3]], 2)
+    assert llm.engine is None and model() is None
+
+
+def test_passed_kernel_checks_are_remembered_per_kernel_source(tmp_path, monkeypatch):
+    cache = tmp_path / "checks.json"
+    cfg = load_config(config(tmp_path, "c"))
+    first = engine_correct.KernelChecks(cfg, "auto", cache).run({"moe-dispatch": "sorted",
+                                                                 "attention-decode": "no_such"})
+    assert [r.get("cached", False) for r in first] == [False, False]
+    stored = json.loads(cache.read_text())
+    assert len(stored) == 1 and next(iter(stored)).endswith("/cpu/float32/small/moe/sorted")  # failures aren't kept
+    spawned = []
+    real_popen = engine_correct.subprocess.Popen
+    monkeypatch.setattr(engine_correct.subprocess, "Popen", lambda argv, **kw: spawned.append(argv) or real_popen(argv, **kw))
+    again = {r["variant"]: r for r in engine_correct.KernelChecks(cfg, "auto", cache).run(
+        {"moe-dispatch": "sorted", "attention-decode": "no_such"})}
+    assert again["sorted"]["cached"] is True and again["sorted"]["passed"] is True
+    assert again["no_such"]["passed"] is False and len(spawned) == 1  # only the failed one ran again
+    monkeypatch.setattr(engine_correct, "kernels_digest", lambda: "changed-source")
+    rerun = engine_correct.KernelChecks(cfg, "auto", cache).run({"moe-dispatch": "sorted"})
+    assert rerun[0].get("cached") is None and rerun[0]["passed"] and len(spawned) == 2

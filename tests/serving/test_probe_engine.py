@@ -39,6 +39,12 @@ def test_probe_serves_the_target_config_and_scores_it(tmp_path):
     assert out["score"] == pytest.approx(16.796 * out["output_throughput"] + 2.799 * out["input_throughput"]
                                          + 0.56 * out["cached_throughput"])
     assert out["mean_ttft_ms"] > 0 and out["mean_itl_ms"] > 0
+    # the server's own CPU time over the same window: the CPU objective divides the same weighted
+    # tokens by it instead of by wall time
+    assert 0 < out["server_cpu_seconds"] and out["cpu_utilization"] == pytest.approx(out["server_cpu_seconds"] / d)
+    assert out["cpu_score"] == pytest.approx(out["score"] * d / out["server_cpu_seconds"])
+    assert out["output_tokens_per_cpu_second"] == pytest.approx(48 / out["server_cpu_seconds"])
+    assert out["server_ready_seconds"] > 0 and "warmup_seconds" not in out
     assert alive_with(str(root)) == []
 
 
@@ -149,3 +155,29 @@ def test_import_result_with_failures_past_the_threshold(tmp_path):
     rc, out, _ = run_probe("--import-result", str(path), "--max-failed-fraction", "0.1")
     assert rc == 1 and "28 of 128 requests failed" in out["error"]
     assert math.isfinite(out["score"])
+
+
+def test_warm_up_runs_other_prompts_before_the_window(tmp_path):
+    """The warm-up batch must not prime the measured prompts' prefix cache: the cached tokens are
+    those of a run without it."""
+    root = tmp_path / "workspace"
+    write_config(root)
+    rc, out, err = run_probe(*WORKLOAD, "--warmup", ORCHESTRATOR_TARGET_ROOT=str(root))
+    assert rc == 0, (out, err)
+    assert out["warmup_seconds"] > 0 and out["completed"] == 8
+    assert out["total_cached_tokens"] == 7 * 16 + 32
+
+
+def test_several_windows_report_the_best_and_each_one(tmp_path):
+    root = tmp_path / "workspace"
+    write_config(root)
+    rc, out, err = run_probe(*WORKLOAD, "--windows", "3", "--best-of", "cpu_score",
+                             ORCHESTRATOR_TARGET_ROOT=str(root))
+    assert rc == 0, (out, err)
+    assert out["best_of"] == "cpu_score" and len(out["windows"]) == 3
+    seeds = [w["seed"] for w in out["windows"]]
+    assert len(set(seeds)) == 3 and seeds[0] == 3  # each pass its own prompts
+    assert out["cpu_score"] == max(w["cpu_score"] for w in out["windows"])
+    assert out["seed"] in seeds and all(w["completed"] == 8 for w in out["windows"])
+    # each pass starts cold for its own prompts: the cache holds only what that pass shares
+    assert out["total_cached_tokens"] == 7 * 16 + 32
