@@ -101,6 +101,7 @@ def section_graphs(args) -> None:
         graphs = runner.decode_graphs
         if graphs is None:
             summary(f"graphs, small preset {dtype}", f"not captured: {runner.graphs_off_reason}")
+            llm.close()
             continue
         with_graphs = llm.generate(prompts, 48)
         replays = graphs.replays
@@ -120,9 +121,8 @@ def section_graphs(args) -> None:
         summary(f"greedy tokens, graphs vs plain eager ({dtype})",
                 "identical" if with_graphs == eager else f"{same}/{tokens} same, first divergence at token {first}",
                 "identical")
-        del llm, runner, graphs
-        gc.collect()
-        torch.cuda.empty_cache()
+        del runner, graphs
+        llm.close()
     RESULTS["graphs"] = out
 
 
