@@ -48,21 +48,27 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
     acc = tl.zeros([GROUP_PAD, HEAD], tl.float32)
     k_col = (d // X) * sk2 + d % X  # offset of each head dim inside a block's K
     j = tl.arange(0, BLOCK_N)
+    bt_row = BT + seq * sbt0
+    col, slot, first = triton_env.paged_tile(start, j, BLOCK_N, BLOCK_SIZE)
+    blk = tl.load(bt_row + col, mask=first < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         col, slot, first = triton_env.paged_tile(n0, j, BLOCK_N, BLOCK_SIZE)
         valid = n0 + j < end
         blk_ok = first < end  # whole blocks: the slots past ``end`` are read, then masked out
-        blk = tl.load(BT + seq * sbt0 + col, mask=blk_ok, other=0).to(tl.int64)
+        # K and V of this tile are issued together, then the next tile's block ids, so that the
+        # loads in flight do not wait on each other or on the block table
         k = tl.load(K + blk[None, :] * sk0 + kvh * sk1 + k_col[:, None] + slot[None, :] * sk3,
                     mask=blk_ok[None, :], other=0.0)
+        v = tl.load(V + blk[:, None] * sv0 + kvh * sv1 + d[None, :] * sv2 + slot[:, None] * sv3,
+                    mask=blk_ok[:, None], other=0.0)
+        next_col, _, next_first = triton_env.paged_tile(n0 + BLOCK_N, j, BLOCK_N, BLOCK_SIZE)
+        blk = tl.load(bt_row + next_col, mask=next_first < end, other=0).to(tl.int64)
         s = tl.dot(q, k, input_precision=PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * sv0 + kvh * sv1 + d[None, :] * sv2 + slot[:, None] * sv3,
-                    mask=blk_ok[:, None], other=0.0)
         v = tl.where(valid[:, None], v, 0.0)  # unwritten slots may hold NaN, and 0 * NaN is NaN
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
