@@ -21,7 +21,7 @@ ON_PINNED = {"max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "de
              "prefill-triton", "prefill-triton-tuning"}
 FORK_ONLY = {"fork-head-mapping-tensor", "fork-enable-triton", "fork-xformers-flash-prefill", "decode-v2-long",
              "decode-threshold-64k"}
-ENGINE_ONLY = {"prefill-pregather", "moe-sorted", "moe-triton"}
+ENGINE_ONLY = {"prefill-pregather", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs"}
 
 
 def wheel_cache() -> Path:
