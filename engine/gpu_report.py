@@ -6,9 +6,9 @@ In order, each section printed as soon as it is done (a run cut short keeps what
 
 1. ``checks``: every kernel the fast decode path runs (v2_triton, MoE triton, the fused norms, and
    their torch fallbacks) against the float64 reference, bf16 and fp16 (``kernels.check``).
-2. ``graphs``: greedy tokens with and without CUDA graphs on the ``small`` preset (float32 and
-   bf16, prefix caching off): graph replay against the same static step run eagerly (must be
-   identical) and against the plain eager engine.
+2. ``graphs``: greedy tokens with and without CUDA graphs on the ``small`` preset (float32; add
+   bf16 with ``--graph-dtypes``; prefix caching off): graph replay against the same static step run
+   eagerly (must be identical) and against the plain eager engine.
 3. ``decode``: v2_triton's share of the copy bandwidth at batch 32 and 128, contexts 4K and 8K, over
    a short sweep of its launch parameters.
 4. ``moe``: MoE triton against the weight-streaming floor and ``torch._grouped_mm``, 1 to 16,384
@@ -92,7 +92,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def section_graphs(args) -> None:
     from engine import LLM
     out = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.graph_dtypes.split(","):
         cfg = {"model": "small", "device": "cuda", "dtype": dtype, "max-model-len": 1024, "max-num-seqs": 64,
                "kv-cache-memory": 1 << 30, "enable-prefix-caching": False, "cuda-graphs": True, **FAST}
         llm = LLM(cfg)
@@ -130,8 +130,8 @@ def section_graphs(args) -> None:
 def section_decode(args, copy_gbps: float) -> None:
     fn = kernels.get("paged_decode", "v2_triton")
     rows, best_rows = [], []
-    configs = [dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps)
-               for bn in (32, 64) for w in (4, 8) for st in (2, 3) for pps in (4, 8)]
+    configs = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
+    configs += [dict(programs_per_sm=8), dict(block_n=32, programs_per_sm=8), dict(min_split=128)]
     for b, c in [(32, 4096), (128, 4096), (128, 8192)]:
         a, nbytes, _ = bench.decode_workload(batch=b, context=c)
         default = _ms(lambda: fn(**a))
@@ -158,8 +158,7 @@ def section_decode(args, copy_gbps: float) -> None:
 
 # ---------------------------------------------------------------- 4. MoE
 MOE_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for m, n, k, w, st in [
-    (16, 32, 128, 4, 4), (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 64, 4, 5), (16, 128, 128, 4, 4),
-    (32, 128, 128, 4, 2), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]]
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 2), (128, 128, 64, 8, 3)]]
 
 
 def section_moe(args, copy_gbps: float, mm_tflops: float) -> None:
@@ -317,6 +316,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.gpu_report", description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--layers", type=int, default=40, help="engine section: layers of Qwen3.6-35B-A3B")
+    p.add_argument("--graph-dtypes", default="float32",
+                   help="graphs section: dtypes of the small-preset check (comma-separated, e.g. float32,bfloat16)")
     p.add_argument("--full-workload", action="store_true",
                    help="engine section: 200 x (1,000 in, 2,000 out) with graphs, instead of 200 out on and off")
     args = p.parse_args(argv)
