@@ -3,21 +3,27 @@
 #
 #   docker run --gpus all -v orchestrator-state:/var/lib/orchestrator -e MODEL=Qwen/Qwen3-30B-A3B IMAGE [vllm serve options]
 #
-# The state volume holds orchestrator.yaml, serve.yaml (the `vllm serve --config` file plugins edit),
+# The state volume holds orchestrator.yaml, serve/serve.yaml (the `vllm serve --config` file plugins edit),
 # the run history and the file snapshots; both configs are written on first start and may be edited.
+# serve.yaml has a folder of its own because the folder of the serve config is a target root: one that
+# held the state would be snapshotted, and restored, with the run history in it.
 # ORCHESTRATOR_SKIP_RUN=1 serves the kept configuration without staging again.
 set -euo pipefail
 
 home=${ORCHESTRATOR_HOME:-/opt/orchestrator}
 state=${ORCHESTRATOR_STATE:-/var/lib/orchestrator}
 config=$state/orchestrator.yaml
-serve=$state/serve.yaml
+serve=$state/serve/serve.yaml
 
 die() { echo "entrypoint: $*" >&2; exit 2; }
 
+if [[ -f $state/serve.yaml && ! -f $serve ]]; then
+    die "$state/serve.yaml is where an earlier image kept the serve config, beside the state: move it to $serve" \
+        "and set 'serve_config: serve/serve.yaml' in $config"
+fi
 if [[ ! -f $serve ]]; then
     [[ -n ${MODEL:-} ]] || die "no $serve yet: set MODEL (a Hugging Face id or a path) for the first start"
-    mkdir -p "$state"
+    mkdir -p "$state/serve"
     { echo "model: $MODEL"; cat "$home/docker/serve.yaml"; } > "$serve.tmp"
     mv "$serve.tmp" "$serve"
 fi
@@ -27,7 +33,7 @@ if [[ ! -f $config ]]; then
 # Written on first start; edit probes and policy here (docs/plugins.md).
 target:
   kind: vllm
-  serve_config: serve.yaml
+  serve_config: serve/serve.yaml
 plugins: $home/optimizations
 state: .
 YAML

@@ -4,8 +4,10 @@ exactly as it measures ``vllm serve``.
     python -m engine.server --config SERVE.yaml --host 127.0.0.1 --port 8000
 
 One thread owns the ``LLMEngine`` and runs its step loop: the engine is not thread-safe, and one
-loop is what lets concurrent requests share a continuous batch. Each HTTP request gets an asyncio
-queue that the engine thread feeds with that request's step outputs.
+loop is what lets concurrent requests share a continuous batch. Each completion request is a
+``CompletionStream``: an asyncio queue that the engine thread feeds with that request's step
+outputs, and the answer built from them. Routes live on a module-level router and find the worker,
+tokenizer, limits and metrics in ``app.state``, as vLLM's API server finds its handlers.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -52,7 +54,8 @@ class BadRequest(Exception):
 
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+            503: "ServiceUnavailableError"}
     body = {"error": {"message": message, "type": kind.get(status, "InternalServerError"),
                       "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
@@ -205,11 +208,17 @@ class Detokenizer:
         return delta
 
 
+MAX_REQUEST_BYTES = 16 << 20  # a 256-prompt batch of 8k token ids is about 12 MiB of JSON
+MAX_PROMPTS = 256
+
+
 @dataclass
 class Limits:
     model_name: str
     max_model_len: int
     vocab_size: int
+    max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies get a 413 before they are parsed
+    max_prompts: int = MAX_PROMPTS  # prompts of one request (a batch): more is a 400
 
 
 @dataclass
@@ -232,6 +241,8 @@ def _prompts(req: CompletionRequest, tokenizer: Any, limits: Limits) -> list[lis
     batch = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
     if not batch:
         raise BadRequest("prompt must not be empty", "prompt")
+    if len(batch) > limits.max_prompts:
+        raise BadRequest(f"at most {limits.max_prompts} prompts per request, got {len(batch)}", "prompt")
     prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
     for i, ids in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -253,7 +264,9 @@ def _prompts(req: CompletionRequest, tokenizer: Any, limits: Limits) -> list[lis
 def _validate(body: bytes, limits: Limits) -> CompletionRequest:
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # malformed, not UTF-8, or an integer of more than 4,300 digits
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     try:
         req = CompletionRequest.model_validate(data)
@@ -281,36 +294,174 @@ def _usage(choices: list[_Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(c.cached for c in choices)}}
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 once it exceeds ``limit`` bytes: by its Content-Length before
+    anything is read, else (chunked) as soon as the bytes received pass the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit} bytes", status=413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+    return bytes(body)
+
+
+class CompletionStream:
+    """One completion request in flight: its prompts handed to the engine thread, the step outputs
+    coming back on its queue, and the two ways of answering (one JSON body, or server-sent events).
+    Whichever way it ends, the prompts still running are aborted."""
+
+    def __init__(self, req: CompletionRequest, prompts: list[list[int]], worker: EngineWorker,
+                 tokenizer: Any, limits: Limits, metrics: "ServerMetrics"):
+        self.req, self.worker, self.tokenizer, self.metrics = req, worker, tokenizer, metrics
+        self.start = time.monotonic()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices = [_Choice(p, Detokenizer(tokenizer), req.max_tokens) for p in prompts]
+        self.ids = [worker.submit(p, req.max_tokens, self.queue, i) for i, p in enumerate(prompts)]
+        self.head = {"id": f"cmpl-{self.ids[0]}", "object": "text_completion",
+                     "created": int(time.time()), "model": limits.model_name}
+
+    async def events(self):
+        """Yields (choice index, text delta, step output) until every choice has finished."""
+        first = True
+        while not all(c.finished for c in self.choices):
+            index, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if first:
+                self.metrics.ttft.observe(time.monotonic() - self.start)
+                first = False
+            choice = self.choices[index]
+            choice.token_ids += item.new_token_ids
+            choice.cached, choice.finished = item.num_cached_tokens, item.finished
+            yield index, choice.detok.add(item.new_token_ids, item.finished), item
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+
+    def abort_unfinished(self) -> None:
+        for rid, choice in zip(self.ids, self.choices):
+            if not choice.finished:
+                self.worker.abort(rid)
+
+    def choice_body(self, index: int, text: str, token_ids: list[int]) -> dict:
+        choice = self.choices[index]
+        body = {"index": index, "text": text, "logprobs": None, "finish_reason": choice.finish_reason()}
+        if self.req.return_token_ids:
+            body["token_ids"] = token_ids
+            body["prompt_token_ids"] = choice.prompt
+        return body
+
+    async def response(self) -> Response:
+        """The whole completion as one JSON body."""
+        try:
+            async for _ in self.events():
+                pass
+        except BadRequest as exc:
+            return error_response(str(exc), exc.status, exc.param)
+        except Exception as exc:
+            return error_response(f"engine failed: {exc!r}", 500)
+        finally:
+            self.abort_unfinished()
+        return JSONResponse({**self.head, "choices": [
+            self.choice_body(i, self.tokenizer.decode(c.token_ids), c.token_ids)
+            for i, c in enumerate(self.choices)], "usage": _usage(self.choices)})
+
+    async def sse(self):
+        """Server-sent events: one per step output, the usage if asked, then ``[DONE]``."""
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        try:
+            async for index, text, out in self.events():
+                chunk = {**self.head, "choices": [self.choice_body(index, text, out.new_token_ids)]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps({**self.head, 'choices': [], 'usage': _usage(self.choices)})}\n\n"
+        except Exception as exc:  # headers are sent: report in-band, as vLLM does
+            status = exc.status if isinstance(exc, BadRequest) else 500
+            err = {"error": {"message": str(exc) or repr(exc), "code": status}}
+            yield f"data: {json.dumps(err)}\n\n"
+        finally:
+            self.abort_unfinished()
+        yield "data: [DONE]\n\n"
+
+
 # ---------------------------------------------------------------- the app
+
+
+class ServerMetrics:
+    """vLLM's metric names: the engine's counters and queue gauges, read from the worker at scrape
+    time, and the latency histograms each request stream observes."""
+
+    def __init__(self, worker: EngineWorker, model_name: str):
+        self.worker, self.model_name = worker, model_name
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              ["model_name"], registry=self.registry).labels(model_name=model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             ["model_name"], registry=self.registry).labels(model_name=model_name)
+        self.registry.register(self)
+
+    def collect(self):
+        stats = self.worker.stats
+        for key, (name, doc) in STAT_COUNTERS.items():
+            if key in stats:
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self.model_name], stats[key])
+                yield family
+        for name, value, doc in (
+            ("vllm:num_requests_running", self.worker.num_running, "Requests producing tokens."),
+            ("vllm:num_requests_waiting", self.worker.num_waiting, "Requests not yet started."),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    worker = request.app.state.worker
+    if not worker.alive:
+        return error_response(f"engine stopped: {worker.error!r}", 503)
+    return Response(status_code=200)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    limits = request.app.state.limits
+    return {"object": "list", "data": [{
+        "id": limits.model_name, "object": "model", "created": 0, "owned_by": "engine",
+        "root": limits.model_name, "max_model_len": limits.max_model_len}]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = request.app.state
+    req = _validate(await read_body(request, state.limits.max_request_bytes), state.limits)
+    prompts = _prompts(req, state.tokenizer, state.limits)
+    if not state.worker.alive:
+        return error_response(f"engine stopped: {state.worker.error!r}", 503)
+    stream = CompletionStream(req, prompts, state.worker, state.tokenizer, state.limits, state.metrics)
+    if req.stream:
+        return StreamingResponse(stream.sse(), media_type="text/event-stream")
+    return await stream.response()
 
 
 def build_app(engine: Any, tokenizer: Any, limits: Limits) -> FastAPI:
     """The HTTP app around ``engine`` (anything with the ``LLMEngine`` step API)."""
     worker = EngineWorker(engine)
-    registry = CollectorRegistry()
-    labels = {"model_name": limits.model_name}
-    ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
-                     ["model_name"], registry=registry).labels(**labels)
-    e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                    ["model_name"], registry=registry).labels(**labels)
-
-    class EngineCollector:
-        def collect(self):
-            stats = worker.stats
-            for key, (name, doc) in STAT_COUNTERS.items():
-                if key in stats:
-                    family = CounterMetricFamily(name, doc, labels=["model_name"])
-                    family.add_metric([limits.model_name], stats[key])
-                    yield family
-            for name, value, doc in (
-                ("vllm:num_requests_running", worker.num_running, "Requests producing tokens."),
-                ("vllm:num_requests_waiting", worker.num_waiting, "Requests not yet started."),
-            ):
-                family = GaugeMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric([limits.model_name], value)
-                yield family
-
-    registry.register(EngineCollector())
 
     async def lifespan(_app: FastAPI):
         worker.start()
@@ -318,108 +469,15 @@ def build_app(engine: Any, tokenizer: Any, limits: Limits) -> FastAPI:
         worker.stop()
 
     app = FastAPI(lifespan=lifespan)
-
-    @app.exception_handler(BadRequest)
-    async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
-        return error_response(str(exc), exc.status, exc.param)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not worker.alive:
-            return error_response(f"engine stopped: {worker.error!r}", 503)
-        return Response(status_code=200)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": limits.model_name, "object": "model", "created": 0, "owned_by": "engine",
-            "root": limits.model_name, "max_model_len": limits.max_model_len}]}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = _validate(await request.body(), limits)
-        prompts = _prompts(req, tokenizer, limits)
-        if not worker.alive:
-            return error_response(f"engine stopped: {worker.error!r}", 503)
-        start = time.monotonic()
-        q: asyncio.Queue = asyncio.Queue()
-        choices = [_Choice(p, Detokenizer(tokenizer), req.max_tokens) for p in prompts]
-        ids = [worker.submit(p, req.max_tokens, q, i) for i, p in enumerate(prompts)]
-        head = {"id": f"cmpl-{ids[0]}", "object": "text_completion", "created": int(time.time()),
-                "model": limits.model_name}
-
-        async def events():
-            """Yields (choice index, text delta) until every choice has finished."""
-            first = True
-            while not all(c.finished for c in choices):
-                index, item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if first:
-                    ttft.observe(time.monotonic() - start)
-                    first = False
-                choice = choices[index]
-                choice.token_ids += item.new_token_ids
-                choice.cached, choice.finished = item.num_cached_tokens, item.finished
-                yield index, choice.detok.add(item.new_token_ids, item.finished), item
-            e2e.observe(time.monotonic() - start)
-
-        def abort_unfinished() -> None:
-            for rid, choice in zip(ids, choices):
-                if not choice.finished:
-                    worker.abort(rid)
-
-        def choice_body(index: int, text: str, token_ids: list[int]) -> dict:
-            choice = choices[index]
-            body = {"index": index, "text": text, "logprobs": None,
-                    "finish_reason": choice.finish_reason()}
-            if req.return_token_ids:
-                body["token_ids"] = token_ids
-                body["prompt_token_ids"] = choice.prompt
-            return body
-
-        if not req.stream:
-            try:
-                async for _ in events():
-                    pass
-            except BadRequest as exc:
-                return error_response(str(exc), exc.status, exc.param)
-            except Exception as exc:
-                return error_response(f"engine failed: {exc!r}", 500)
-            finally:
-                abort_unfinished()
-            texts = [c.detok.tokenizer.decode(c.token_ids) for c in choices]
-            return JSONResponse({**head, "choices": [
-                choice_body(i, t, c.token_ids) for i, (t, c) in enumerate(zip(texts, choices))],
-                "usage": _usage(choices)})
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def sse():
-            try:
-                async for index, text, out in events():
-                    chunk = {**head, "choices": [choice_body(index, text, out.new_token_ids)]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                if include_usage:
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(choices)})}\n\n"
-            except Exception as exc:  # headers are sent: report in-band, as vLLM does
-                status = exc.status if isinstance(exc, BadRequest) else 500
-                err = {"error": {"message": str(exc) or repr(exc), "code": status}}
-                yield f"data: {json.dumps(err)}\n\n"
-            finally:
-                abort_unfinished()
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(), media_type="text/event-stream")
-
-    app.state.worker = worker
+    app.state.worker, app.state.tokenizer, app.state.limits = worker, tokenizer, limits
+    app.state.metrics = ServerMetrics(worker, limits.model_name)
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.include_router(router)
     return app
+
+
+async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
+    return error_response(str(exc), exc.status, exc.param)
 
 
 # ---------------------------------------------------------------- command line
@@ -434,7 +492,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name", help="name in /v1/models (default: the config's model)")
     parser.add_argument("--shutdown-timeout", type=int, default=30,
                         help="seconds SIGTERM waits for running requests before cancelling them")
+    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                        help="larger request bodies are answered 413")
+    parser.add_argument("--max-prompts-per-request", type=int, default=MAX_PROMPTS,
+                        help="a batch of more prompts is answered 400")
     args = parser.parse_args(argv)
+    if args.max_request_bytes < 1 or args.max_prompts_per_request < 1:
+        parser.error("--max-request-bytes and --max-prompts-per-request must be at least 1")
     # the engine logs its kernel choices and cache size at INFO: the first thing to read in a server log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -444,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    limits = Limits(args.served_model_name or config.model, config.max_model_len, config.vocab_size)
+    limits = Limits(args.served_model_name or config.model, config.max_model_len, config.vocab_size,
+                    args.max_request_bytes, args.max_prompts_per_request)
     disable_created_metrics()  # vLLM exposes no *_created series either
     logging.getLogger("engine").info("serving %s on http://%s:%d", limits.model_name,
                                              args.host, args.port)

@@ -123,7 +123,7 @@ def run(config: Optional[Path] = ConfigOpt,
         reverify: bool = typer.Option(False, "--reverify", help="stage nothing; re-judge the kept plugins whose "
                                       "decisions were measured in another environment (shown stale by status)")) -> None:
     """Measure the baseline, then stage every plugin in order: keep what helps, roll back the rest."""
-    from orchestrator.lock import state_lock
+    from orchestrator.lock import project_lock
     from orchestrator.stage import Interrupted, Stager
     from orchestrator.status import status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
@@ -134,7 +134,7 @@ def run(config: Optional[Path] = ConfigOpt,
     unknown = (only_ids | skip_ids) - {p.id for p in plugins}
     if unknown:
         raise ConfigError(project.plugins_dir, "--only/--skip", f"unknown plugin id(s): {', '.join(sorted(unknown))}")
-    with state_lock(project.state_dir):
+    with project_lock(project):
         store, journal = _open(project)
         _recover(store, journal)
         shutil.rmtree(project.state_dir / "tmp", ignore_errors=True)  # output files of processes a crash left
@@ -233,13 +233,13 @@ def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept p
              force: bool = typer.Option(False, "--force", help="overwrite files changed since they were kept"),
              config: Optional[Path] = ConfigOpt) -> None:
     """Undo kept plugins in reverse order, byte for byte."""
-    from orchestrator.lock import state_lock
+    from orchestrator.lock import project_lock
     from orchestrator.rollback import plan_rollback, roll_back
     project = _project(config)
     if not all_ and not plugin_ids:
         raise UserError("name the plugins to roll back, or pass --all")
     plugins = {p.id: p for p in _plugins(project)}
-    with state_lock(project.state_dir):
+    with project_lock(project):
         store, journal = _open(project)
         _recover(store, journal)
         todo = plan_rollback(store, journal, None if all_ else _ids(plugin_ids), force)
@@ -254,13 +254,13 @@ def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept p
 @command
 def recover(config: Optional[Path] = ConfigOpt) -> None:
     """Restore the last kept state after a crash (also done at the start of run and rollback)."""
-    from orchestrator.lock import state_lock
+    from orchestrator.lock import project_lock
     from orchestrator.recovery import recover as do_recover
     project = _project(config)
     if not project.db_path.exists():
         console.print("nothing to recover")
         return
-    with state_lock(project.state_dir):
+    with project_lock(project, need_roots=False):
         store, journal = _open(project)
         rolled = do_recover(store, journal)
         for step in rolled:

@@ -13,6 +13,9 @@ CONFIG_NAME = "orchestrator.yaml"
 OPTIMIZATIONS = Path(__file__).resolve().parents[1] / "optimizations"
 
 
+MAX_SAMPLES = 100  # upper bound of repeats and pairs: each one is a probe run, often minutes long
+
+
 class Policy(BaseModel):
     """How a candidate is measured and judged; per-plugin `accept:` overrides any field."""
 
@@ -27,6 +30,14 @@ class Policy(BaseModel):
     on_inconclusive: Literal["rollback", "keep"] = "rollback"
     implausible_factor: float = Field(3.0, gt=1)
     guardrails: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("repeats", "min_pairs", "max_pairs")
+    @classmethod
+    def _bounded(cls, value: int) -> int:
+        if value > MAX_SAMPLES:
+            raise ValueError(f"{value} is more than the limit of {MAX_SAMPLES} samples per arm: each is a probe run, "
+                             "and the judge's interval narrows little after a few dozen")
+        return value
 
     @model_validator(mode="after")
     def _pairs(self) -> "Policy":
@@ -106,7 +117,31 @@ class Project:
         self.state_dir = self._path(config.state)
         self.plugins_dir = self._path(config.plugins)
         self.target: Target = target_class(target.kind, source)(target, self.base_dir, self.state_dir)
+        self._check_folders()
         self.probes = self._probes()
+
+    def _check_folders(self) -> None:
+        """The state folder must be one (or creatable), and neither it nor the plugins may lie inside a target root:
+        a command step snapshots its whole root, so a rollback would rewrite the live database and blobs, or the
+        plugins themselves. A root inside the state folder (the engine's workspace) is fine."""
+        where = self.source or "<embedded default>"
+        for folder in (self.state_dir, *self.state_dir.parents):
+            if folder.exists():
+                if not folder.is_dir():
+                    why = "is a file" if folder == self.state_dir else f"cannot be created: {folder} is a file"
+                    raise ConfigError(where, "state", f"{self.state_dir} {why}, not a folder")
+                break
+        try:
+            roots = self.target.roots
+        except ConfigError:
+            return  # a target that cannot be located here fails where it is used, saying why
+        for field, folder in (("state", self.state_dir), ("plugins", self.plugins_dir)):
+            for name, root in roots.items():
+                root = root.resolve()
+                if folder.is_relative_to(root):
+                    raise ConfigError(where, field, f"the {field} folder {folder} is inside the target root {root} "
+                                      f"({name}): snapshots of the root would include it and a rollback would "
+                                      f"rewrite it; move one of them")
 
     def _path(self, p: str) -> Path:
         path = Path(p).expanduser()

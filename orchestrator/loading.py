@@ -26,9 +26,13 @@ class ConfigError(Exception):
 def read_yaml(path: Path) -> tuple[Any, Any]:
     """Return (plain data, round-trip tree); the tree keeps line numbers for error messages."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise ConfigError(path, None, f"cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(path, None, f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start} "
+                          "(save the file as UTF-8)", line) from None
     try:
         tree = YAML(typ="rt").load(text)
     except MarkedYAMLError as e:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from orchestrator.loading import ConfigError, dotted, line_of, read_yaml, valida
 from orchestrator.targets import KINDS
 
 MANIFEST = "plugin.yaml"
+MAX_VARIANTS = 64  # params combinations of one plugin: each is applied, probed and measured
 Kind = Literal["files", "engine", "vllm"]
 
 
@@ -135,6 +137,11 @@ class Manifest(_Strict):
                 raise ValueError(f"params: {name!r} is not a valid name")
             if not values:
                 raise ValueError(f"params.{name}: needs at least one candidate value")
+        combos = math.prod(len(v) for v in self.params.values())
+        if combos > MAX_VARIANTS:
+            sizes = " x ".join(str(len(v)) for v in self.params.values())
+            raise ValueError(f"params: {sizes} = {combos} combinations, more than the limit of {MAX_VARIANTS} "
+                             "(each is staged and measured like a plugin); search fewer values at a time")
         return self
 
 
@@ -280,9 +287,19 @@ def _check_action(action: _Action, roots: dict[str, Path], source: Path, loc: tu
 
 
 def discover(plugins_dir: Path) -> list[Path]:
+    """Plugin folders (those with a plugin.yaml); a plugin.yml alone is an error rather than a plugin left out."""
     if not plugins_dir.is_dir():
         return []
-    return sorted(p for p in plugins_dir.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
+    folders = sorted(p for p in plugins_dir.iterdir() if p.is_dir())
+    for folder in [plugins_dir, *folders]:  # the folder given may itself be a plugin's
+        check_manifest_name(folder)
+    return [p for p in folders if (p / MANIFEST).is_file()]
+
+
+def check_manifest_name(folder: Path) -> None:
+    if not (folder / MANIFEST).is_file() and (folder / "plugin.yml").is_file():
+        raise ConfigError(folder / "plugin.yml", None, f"a manifest must be named {MANIFEST}: rename it "
+                          "(as it is, the plugin would be left out)")
 
 
 def load_all(plugins_dir: Path, roots: dict[str, Path], target_vars: dict[str, str],

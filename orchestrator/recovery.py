@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from orchestrator.journal import Journal
+from orchestrator.probes.marks import sweep_scope
 from orchestrator.probes.runner import kill_group
 from orchestrator.store import Store
 
 
 def recover(store: Store, journal: Journal, run_status: str = "interrupted", detail: str | None = None) -> list[dict]:
-    """Kill recorded leftover processes, restore every unfinished step newest first, close open runs.
+    """Kill leftover processes (recorded, and any carrying this state folder's mark), restore every unfinished
+    step newest first, close open runs.
 
     Call only while holding the state lock: then every open run is dead (or is the caller's own).
     Returns the steps it rolled back.
@@ -15,6 +17,7 @@ def recover(store: Store, journal: Journal, run_status: str = "interrupted", det
     for proc in store.open_processes():
         kill_group(proc["pid"], proc["pgid"], proc["create_time"])
         store.end_process(proc["id"])
+    sweep_scope(store.path.parent)  # also those started just before their row was written, and escaped ones
     rolled = []
     for step in store.open_steps():
         journal.restore(step["id"], exact=True)

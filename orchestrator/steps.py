@@ -142,6 +142,8 @@ def _process(ctx: StepContext, action, mode: str) -> ProcessResult:
 
 
 def _describe(result: ProcessResult, timeout: float) -> str:
+    if result.launch_error:
+        return result.launch_error
     if result.timed_out:
         return f"timed out after {timeout:g}s"
     if result.signal:

@@ -59,23 +59,24 @@ def test_first_start_writes_configs_stages_then_serves(box):
     result = start(env, "--port", "8001", MODEL="Qwen/Qwen3-30B-A3B")
     assert result.returncode == 0, result.stderr
     assert calls(log) == [f"orchestrator run --config {state}/orchestrator.yaml VLLM_USE_V1=0",
-                          f"vllm serve --config {state}/serve.yaml --port 8001 VLLM_USE_V1=0"]
-    serve = (state / "serve.yaml").read_text()
+                          f"vllm serve --config {state}/serve/serve.yaml --port 8001 VLLM_USE_V1=0"]
+    serve = (state / "serve" / "serve.yaml").read_text()
     assert serve.startswith("model: Qwen/Qwen3-30B-A3B\n") and "max-num-seqs: 1\n" in serve
     project = load(state / "orchestrator.yaml")
     assert project.target.kind == "vllm"
     assert project.plugins_dir == OPTIMIZATIONS and project.state_dir == state
-    assert project.target.serve_config == state / "serve.yaml"
+    assert project.target.serve_config == state / "serve" / "serve.yaml"
+    assert not project.state_dir.is_relative_to(project.target.serve_config.parent)  # the serve root
     assert [p.name for p in project.probes] == ["kernels", "serving"]
 
 
 def test_later_starts_keep_the_edited_configs(box):
     env, state, log = box
     assert start(env, MODEL="first/model").returncode == 0
-    (state / "serve.yaml").write_text("model: my/model\nmax-num-seqs: 256\n")
+    (state / "serve" / "serve.yaml").write_text("model: my/model\nmax-num-seqs: 256\n")
     config = (state / "orchestrator.yaml").read_bytes()
     assert start(env, MODEL="second/model").returncode == 0
-    assert (state / "serve.yaml").read_text() == "model: my/model\nmax-num-seqs: 256\n"
+    assert (state / "serve" / "serve.yaml").read_text() == "model: my/model\nmax-num-seqs: 256\n"
     assert (state / "orchestrator.yaml").read_bytes() == config
 
 
@@ -85,11 +86,24 @@ def test_without_a_model_nothing_starts_and_nothing_is_written(box):
     assert result.returncode == 2
     assert "set MODEL" in result.stderr and "serve.yaml" in result.stderr
     assert not state.exists() and calls(log) == []
-    state.mkdir()
-    (state / "serve.yaml").write_text("max-num-seqs: 1\n")
+    (state / "serve").mkdir(parents=True)
+    (state / "serve" / "serve.yaml").write_text("max-num-seqs: 1\n")
     result = start(env, MODEL="ignored/model")
     assert result.returncode == 2 and "names no model" in result.stderr
-    assert (state / "serve.yaml").read_text() == "max-num-seqs: 1\n" and calls(log) == []
+    assert (state / "serve" / "serve.yaml").read_text() == "max-num-seqs: 1\n" and calls(log) == []
+
+
+def test_a_volume_with_serve_yaml_beside_the_state_is_refused_with_what_to_move(box):
+    """An earlier image kept serve.yaml at the top of the volume: its folder, a target root, held the state."""
+    env, state, log = box
+    state.mkdir()
+    (state / "serve.yaml").write_text("model: m\n")
+    (state / "orchestrator.yaml").write_text("target:\n  kind: vllm\n  serve_config: serve.yaml\nstate: .\n")
+    before = {p.name: p.read_bytes() for p in state.iterdir()}
+    result = start(env, MODEL="m")
+    assert result.returncode == 2 and calls(log) == []
+    assert f"move it to {state}/serve/serve.yaml" in result.stderr
+    assert {p.name: p.read_bytes() for p in state.iterdir()} == before
 
 
 def test_a_failed_run_is_recovered_before_serving(box):

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The README's main job on one GPU machine reached by commands of at most 10 minutes:
+#   bash benchmarks/h200_main_job.sh start [run args]   # installs the wheels, starts the run detached, then polls
+#   bash benchmarks/h200_main_job.sh poll               # polls; send it again right after the last one returns
+# Each call polls `orchestrator status` until the run ends or POLL_SECONDS pass (default 540); once the run
+# has ended, the status JSON, the report (Markdown and PNG), the log and the database are written to $OUT.
+# The machine keeps /tmp only while it stays up, so the calls must follow each other without a pause.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+RUN=${RUN_DIR:-/tmp/main-job}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH="$ROOT:/tmp/site" PYTHONUNBUFFERED=1
+orch() { (cd "$RUN" && python3 -m orchestrator.cli "$@"); }
+if [ "${1:-poll}" = start ]; then
+  shift
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl || exit 9
+  mkdir -p "$RUN"
+  nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
+  (cd "$RUN" && setsid nohup python3 -m orchestrator.cli run --device cuda --preset qwen3.6-35b-a3b "$@" \
+     > "$RUN/run.log" 2>&1 < /dev/null & echo $! > "$RUN/run.pid")
+  echo "started: orchestrator run --device cuda --preset qwen3.6-35b-a3b $* (pid $(cat "$RUN/run.pid"))"
+fi
+deadline=$(( $(date +%s) + ${POLL_SECONDS:-540} ))
+while kill -0 "$(cat "$RUN/run.pid")" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
+orch status 2>&1 | tail -40
+if kill -0 "$(cat "$RUN/run.pid")" 2>/dev/null; then echo "RUNNING: send the poll command again now"; exit 0; fi
+echo "FINISHED"; tail -5 "$RUN/run.log"
+orch status --json > "$OUT/status.json"
+orch report --out "$RUN/report" > /dev/null 2>&1 && cp "$RUN"/report/*.md "$RUN"/report/*.png "$OUT/" 2>/dev/null
+cp "$RUN/run.log" "$OUT/"
+python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+  "$RUN/state/orchestrator.db" "$OUT/orchestrator.db"
+ls -la "$OUT"

@@ -1,0 +1,91 @@
+"""Inputs that used to end in a traceback or in a run without limits: each exits 2 naming the file and the
+field, through the real CLI, and no byte on disk changes."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from core_project import make_project, tree
+from refusal import configure, refused
+
+SPEED = 'replace: {path: app.txt, old: "SPEED = 1", new: "SPEED = 2"}'
+
+
+def test_a_config_that_is_not_utf8_exits_2(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    project.config.write_bytes(project.config.read_bytes().replace(b"plugins: plugins", b"plugins: pl\xe9gins"))
+    refused(project, [str(project.config), "not UTF-8 text: byte 0xe9"])
+
+
+def test_a_manifest_that_is_not_utf8_exits_2(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    manifest = project.path / "plugins" / "speedup" / "plugin.yaml"
+    manifest.write_bytes(b"# caf\xe9\n" + manifest.read_bytes())
+    refused(project, [f"{manifest}:1", "not UTF-8 text"], commands=(("run",), ("plugins", "validate")))
+
+
+def test_a_state_that_is_a_file_exits_2(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    project.state.write_bytes(b"not a folder\n")
+    refused(project, [str(project.config), f"state: {project.state} is a file, not a folder"])
+
+
+def test_a_state_under_a_file_exits_2(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    (project.path / "afile").write_text("x")
+    configure(project, state="afile/state")
+    refused(project, [f"state: {project.path / 'afile' / 'state'} cannot be created: {project.path / 'afile'} "
+                      "is a file"])
+
+
+def test_a_plugin_yml_without_plugin_yaml_is_reported(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    folder = project.path / "plugins" / "misnamed"
+    folder.mkdir()
+    (folder / "plugin.yml").write_text("id: misnamed\napply:\n  - " + SPEED + "\n")
+    refused(project, [str(folder / "plugin.yml"), "a manifest must be named plugin.yaml"],
+            commands=(("run",), ("plugins", "list"), ("plugins", "validate"), ("plan",)))
+    proc = project.cli("plugins", "validate", str(folder))
+    assert proc.returncode == 2 and str(folder / "plugin.yml") in proc.stderr
+
+
+@pytest.mark.parametrize("policy, field", [
+    ({"repeats": 1000}, "policy.repeats: 1000 is more than the limit of 100"),
+    ({"max_pairs": 100000}, "policy.max_pairs: 100000 is more than the limit of 100"),
+    ({"min_pairs": 101, "max_pairs": 101}, "policy.min_pairs: 101 is more than the limit of 100"),
+])
+def test_sample_counts_have_an_upper_bound(tmp_path, policy, field):
+    project = make_project(tmp_path, plugins=["speedup"])
+    configure(project, policy=policy)
+    refused(project, [str(project.config), field], commands=(("run",), ("status",)))
+
+
+def test_an_accept_block_is_bounded_too(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    manifest = project.path / "plugins" / "speedup" / "plugin.yaml"
+    manifest.write_text(manifest.read_text() + "accept: {repeats: 5000}\n")
+    refused(project, [str(manifest), "accept: 5000 is more than the limit of 100"], commands=(("run",),))
+
+
+def test_params_combinations_have_an_upper_bound(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    folder = project.path / "plugins" / "search"
+    folder.mkdir()
+    params = "".join(f"  p{i}: [1, 2, 3, 4, 5]\n" for i in range(5))
+    (folder / "plugin.yaml").write_text("id: search\nparams:\n" + params + "apply:\n  - " + SPEED + "\n")
+    refused(project, [str(folder / "plugin.yaml"), "params: 5 x 5 x 5 x 5 x 5 = 3125 combinations, more than the "
+                      "limit of 64"], commands=(("run",), ("plugins", "validate")))
+
+
+def test_a_missing_probe_executable_fails_the_plugin_not_the_run(tmp_path):
+    project = make_project(tmp_path, plugins=["speedup"])
+    config = yaml.safe_load(project.config.read_text())
+    config["probes"][0]["command"] = ["no-such-correctness-probe", "--strict"]
+    project.config.write_text(yaml.safe_dump(config))
+    before = tree(project.target)
+    proc = project.cli("run")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    step = project.status()["steps"][0]
+    assert (step["outcome"], step["reason"]) == ("rolled_back", "probe_failed")
+    assert "executable not found: no-such-correctness-probe" in step["detail"]
+    assert tree(project.target) == before
