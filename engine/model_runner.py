@@ -158,7 +158,9 @@ class ModelRunner:
         return reason
 
     def _graph_blocker(self) -> str | None:
-        """Why decode steps cannot be captured with the kernels chosen, or None."""
+        """Why decode steps cannot be captured with this model and the kernels chosen, or None."""
+        if not getattr(self.model, "static_decode", False):  # e.g. per-sequence state outside the KV cache
+            return f"{type(self.model).__name__} declares no static decode path (static_decode = True)"
         for key in ("attention-decode", "moe-dispatch", "rms-norm", "qk-norm-rope"):
             variant = self.kernels.choice[key]
             if not kernels.graph_safe(KERNEL_KEYS[key], variant):

@@ -72,6 +72,10 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(nn.Module):
+    # everything a decode step reads is in the static buffers of engine/cuda_graphs.py (ids, positions,
+    # slots, lengths, block tables), so its steps can be captured as CUDA graphs
+    static_decode = True
+
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         self.config = cfg

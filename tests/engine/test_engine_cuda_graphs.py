@@ -145,3 +145,5 @@ def test_kernels_that_wait_on_the_device_block_capture():
     assert "attention-decode variant v1" in runner._graph_blocker()
     runner = ModelRunner(load_config(tiny(**{"attention-decode": "v2_triton", "moe-dispatch": "triton"})))
     assert runner._graph_blocker() is None
+    runner.model.static_decode = False  # a model whose decode reads more than the static buffers hold
+    assert "declares no static decode path" in runner._graph_blocker()
