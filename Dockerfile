@@ -1,5 +1,7 @@
 # The orchestrator on an official vLLM image: at start it stages the shipped optimizations on the
-# image's vLLM, keeps what measures faster, and serves the kept configuration (docker/entrypoint.sh).
+# image's vLLM, judging each on a live `vllm serve` of the candidate (greedy outputs against the
+# baseline's, then the serving benchmark), keeps what measures faster, and serves the kept
+# configuration (docker/entrypoint.sh).
 ARG BASE_IMAGE=vllm/vllm-openai:v0.10.2
 FROM ${BASE_IMAGE}
 
@@ -14,6 +16,7 @@ WORKDIR /opt/orchestrator
 COPY pyproject.toml README.md ./
 COPY orchestrator/ orchestrator/
 COPY kernels/ kernels/
+COPY engine/ engine/
 COPY optimizations/ optimizations/
 COPY docker/ docker/
 

@@ -29,11 +29,25 @@ if [[ ! -f $serve ]]; then
 fi
 grep -Eq '^model:[[:space:]]*[^[:space:]#]' "$serve" || die "$serve names no model: add a 'model:' line"
 if [[ ! -f $config ]]; then
+    # the first start's `vllm serve` arguments are also the staged servers' (their --host and --port are the probes')
+    serve_args=$(python3 -c '
+import json, sys
+out, skip = [], False
+for a in sys.argv[1:]:
+    if skip:
+        skip = False
+    elif a in ("--host", "--port"):
+        skip = True
+    elif not a.startswith(("--host=", "--port=")):
+        out.append(a)
+print(json.dumps(out))' "$@")
     cat > "$config.tmp" <<YAML
-# Written on first start; edit probes and policy here (docs/plugins.md).
+# Written on first start; edit probes and policy here (docs/vllm.md).
+# Each plugin is judged on a live \`vllm serve\` of the candidate config: greedy outputs, then the benchmark.
 target:
   kind: vllm
   serve_config: serve/serve.yaml
+  serve_args: $serve_args
 plugins: $home/optimizations
 state: .
 YAML

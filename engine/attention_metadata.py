@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.state_cache import StateMetadata
+
 
 @dataclass
 class DecodeGroup:
@@ -37,3 +39,4 @@ class AttentionMetadata:
     decode: DecodeGroup | None
     decode_long: DecodeGroup | None
     prefill: PrefillGroup | None
+    state: StateMetadata | None = None  # Gated DeltaNet slots (hybrid models only)

@@ -22,6 +22,8 @@ KERNEL_KEYS = {
     "moe-dispatch": "moe",
     "rms-norm": "rms_norm",
     "qk-norm-rope": "qk_norm_rope",
+    "gdn-prefill": "gated_delta_rule",
+    "gdn-decode": "gated_delta_rule",
 }
 
 
@@ -65,6 +67,8 @@ class EngineConfig(BaseModel):
     prefill_block_n: int = Field(64, ge=1)
     prefill_num_warps: int = Field(4, ge=1)
     moe_dispatch: VariantChain = "sorted"
+    gdn_prefill: VariantChain = "chunk"  # Gated DeltaNet layers (hybrid models only)
+    gdn_decode: VariantChain = "recurrent"
     rms_norm: VariantChain = "torch"  # residual add + RMSNorm
     qk_norm_rope: VariantChain = "torch"  # per-head q/k RMSNorm + rotary embedding
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs; ignored on the CPU
@@ -88,7 +92,7 @@ class EngineConfig(BaseModel):
         return v
 
     @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch", "rms_norm",
-                     "qk_norm_rope")
+                     "qk_norm_rope", "gdn_prefill", "gdn_decode")
     @classmethod
     def _chain(cls, v: VariantChain) -> VariantChain:
         if isinstance(v, list) and not v:
@@ -109,6 +113,13 @@ class EngineConfig(BaseModel):
     @property
     def vocab_size(self) -> int:
         return self.hf.vocab_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching runs: asked for, and the model has no Gated DeltaNet layer. A
+        hybrid model's recurrent state after a prefix cannot be rebuilt from KV blocks, so a cache
+        hit would still have to recompute the whole prefix in those layers (and so in every layer)."""
+        return self.enable_prefix_caching and not self.hf.is_hybrid
 
     def chain(self, key: str) -> list[str]:
         """Variant names of a kernel key, in fallback order."""

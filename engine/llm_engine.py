@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,9 @@ from engine.config import EngineConfig, load_config
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.state_cache import StateSlots
+
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -27,9 +31,12 @@ class LLMEngine:
         self.config = load_config(config)
         self.model_runner = ModelRunner(self.config)
         self.kernel_choice: dict[str, str] = dict(self.model_runner.kernels.choice)
+        if self.config.enable_prefix_caching and not self.config.prefix_caching:
+            log.info("prefix caching is off: the model's Gated DeltaNet state after a prefix is not cached")
         self.scheduler = Scheduler(
-            BlockManager(self.model_runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching),
-            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens)
+            BlockManager(self.model_runner.num_blocks, self.config.block_size, self.config.prefix_caching),
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            state_slots=StateSlots(self.model_runner.num_state_slots) if self.config.hf.is_hybrid else None)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._prompt_tokens = 0

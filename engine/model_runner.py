@@ -1,5 +1,5 @@
-"""Owns the weights and the KV cache, turns a scheduled batch into tensors, runs the model and
-samples."""
+"""Owns the weights, the KV cache and the Gated DeltaNet state slots, turns a scheduled batch into
+tensors, runs the model and samples."""
 from __future__ import annotations
 
 import contextlib
@@ -14,10 +14,12 @@ from engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from engine.host_staging import HostStaging
 from engine.kernel_choice import select_kernels
 from engine.layers.attention import PagedAttention
+from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.sampler import greedy
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.state_cache import allocate_states, state_metadata
 
 log = logging.getLogger("engine")
 
@@ -61,6 +63,12 @@ class ModelRunner:
         self.model.requires_grad_(False)
         self.model.init_weights(config.seed)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.linear_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        # one state slot per sequence that may run, allocated before the KV cache is sized
+        self.num_state_slots = config.max_num_seqs if self.linear_layers else 0
+        state_bytes = allocate_states(self.linear_layers, self.num_state_slots, self.dtype, self.device)
+        if self.linear_layers:
+            log.info("Gated DeltaNet state: %d slots (%.2f GiB)", self.num_state_slots, state_bytes / GIB)
         if fixed_budget is None:
             self.num_blocks = self._blocks_for(self._profile_cache_budget(), "gpu-memory-utilization")
         else:
@@ -120,6 +128,7 @@ class ModelRunner:
         self._allocate_cache(num_blocks)
         seq = Sequence("profile", [0] * n, 1)
         seq.block_table = list(range(num_blocks))
+        seq.state_slot = 0 if self.linear_layers else None
         self.run([ScheduledSeq(seq, n)])
         self._allocate_cache(0)
         torch.cuda.synchronize()
@@ -235,11 +244,14 @@ class ModelRunner:
             tables = [scheduled[i].seq.block_table[:_cdiv(c, bs)] for i, c in zip(prefill, ctx)]
             prefill_group = PrefillGroup(start, self._tables(tables), self._tensor(qsl, torch.int32),
                                          self._tensor(ctx, torch.int32))
+        order = short + long_ + prefill
         meta = AttentionMetadata(
             slot_blocks=self._tensor(blocks, torch.int64), slot_offsets=pos % bs,
             decode=self._decode_group(scheduled, short, 0),
             decode_long=self._decode_group(scheduled, long_, len(short)),
-            prefill=prefill_group)
+            prefill=prefill_group,
+            state=state_metadata([scheduled[i].seq for i in order], [scheduled[i].num_new_tokens for i in order],
+                                 len(short) + len(long_), self.device) if self.linear_layers else None)
         return self._tensor(ids, torch.int64), pos, meta, sample_rows
 
     @torch.no_grad()

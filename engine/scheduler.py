@@ -3,7 +3,8 @@
 Running sequences go first (a decode is one token, an unfinished prefill its next chunk), then
 waiting ones are admitted while ``max-num-seqs`` and ``max-num-batched-tokens`` allow. When the
 cache runs out, the most recently admitted sequence is preempted: its blocks are freed and it
-is recomputed later (its full blocks usually come back as prefix-cache hits).
+is recomputed later (its full blocks usually come back as prefix-cache hits). For a hybrid model
+each running sequence also holds a Gated DeltaNet state slot, from admission to finish or preemption.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.state_cache import StateSlots
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    state_slots: StateSlots | None = None  # hybrid models: at least max_num_seqs slots
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,14 +83,21 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_hit_tokens
             self.waiting.popleft()
+            if self.state_slots is not None:
+                self.state_slots.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -114,6 +124,6 @@ class Scheduler:
             self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self._release(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED

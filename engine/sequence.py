@@ -1,4 +1,5 @@
-"""One request as the scheduler sees it: its tokens, how many have KV in the cache, its blocks."""
+"""One request as the scheduler sees it: its tokens, how many have KV in the cache, its blocks and
+state slot."""
 from __future__ import annotations
 
 from enum import Enum, auto
@@ -21,6 +22,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of the leading full, computed blocks
+        self.state_slot: int | None = None  # Gated DeltaNet state slot while running (hybrid models)
 
     def __len__(self) -> int:
         return len(self.token_ids)

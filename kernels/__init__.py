@@ -1,4 +1,4 @@
-"""The project's attention and MoE kernels behind one lookup: ``variants(op)`` and ``get(op, variant)``.
+"""The project's attention, MoE and Gated DeltaNet kernels behind one lookup: ``variants(op)`` and ``get(op, variant)``.
 
 Variants are registered by dotted path and imported on first use, so that asking for a torch
 variant never imports Triton (which must see ``TRITON_INTERPRET`` before its first import).
@@ -9,7 +9,7 @@ import importlib
 import os
 from typing import Callable
 
-OPS = ("paged_decode", "prefix_prefill", "moe", "rms_norm", "qk_norm_rope")
+OPS = ("paged_decode", "prefix_prefill", "moe", "rms_norm", "qk_norm_rope", "gated_delta_rule")
 
 # op -> variant -> "module:function"; the first entry of each op is its float64 reference.
 _REGISTRY: dict[str, dict[str, str]] = {
@@ -42,6 +42,13 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "reference": "kernels.reference:qk_norm_rope",
         "torch": "kernels.norm_torch:qk_norm_rope",
         "triton": "kernels.norm_triton:qk_norm_rope_triton",
+    },
+    "gated_delta_rule": {  # the contract: kernels/gdn.py
+        "reference": "kernels.reference:gated_delta_rule",
+        "recurrent": "kernels.gdn_torch:gated_delta_rule_recurrent",
+        "chunk": "kernels.gdn_torch:gated_delta_rule_chunk",
+        "triton_recurrent": "kernels.gdn_triton:gated_delta_rule_triton_recurrent",
+        "triton_chunk": "kernels.gdn_triton:gated_delta_rule_triton_chunk",
     },
 }
 

@@ -1,6 +1,8 @@
 """Time one kernel variant on Qwen3.6-35B-A3B shapes, usable as an orchestrator throughput probe.
 
     python -m kernels.bench --op paged_decode --variant v2_triton --batch 32 --context 4096
+    python -m kernels.bench --op gated_delta_rule --variant triton_recurrent --batch 256   # decode step
+    python -m kernels.bench --op gated_delta_rule --variant triton_chunk --batch 8 --new-tokens 1024
 
 Reports the median time after warm-up (``triton.testing.do_bench`` on CUDA, which also flushes L2
 between runs), and the GB/s and TFLOP/s achieved against the bytes the op must move (each input
@@ -22,6 +24,7 @@ from kernels import inputs
 # Qwen3.6-35B-A3B
 ATTENTION = dict(num_heads=16, num_kv_heads=2, head_size=256, block_size=16)
 MOE = dict(hidden=2048, experts=256, intermediate=512, top_k=8)
+GDN = dict(num_heads=32, num_k_heads=16, head_k=128, head_v=128)  # its Gated DeltaNet layers
 
 
 def _size(t) -> int:
@@ -60,7 +63,22 @@ def moe_workload(tokens=256, dtype=torch.bfloat16, device="cuda", **shape):
     return args, nbytes, flops
 
 
-WORKLOADS = {"paged_decode": decode_workload, "prefix_prefill": prefill_workload, "moe": moe_workload}
+def gdn_workload(batch=256, new_tokens=1, dtype=torch.bfloat16, device="cuda", **shape):
+    """As the engine calls the op: ``new_tokens`` 1 is one decode step of ``batch`` sequences
+    ([batch, 1]), more is a packed prefill; states are float32 in a slot pool, updated in place.
+    The bytes are the floor: q, k, v, g, beta read, o written, each state read and written once."""
+    shape = {**GDN, **shape}
+    args = inputs.gated_delta_rule([new_tokens] * batch, packed=new_tokens > 1, slots=True, dtype=dtype,
+                                   device=device, **shape)
+    tensors = ("q", "k", "v", "g", "beta")
+    state = batch * shape["num_heads"] * shape["head_k"] * shape["head_v"] * args["initial_state"].element_size()
+    nbytes = sum(_size(args[k]) for k in tensors) + _size(args["v"]) + 2 * state
+    flops = 6 * batch * new_tokens * shape["num_heads"] * shape["head_k"] * shape["head_v"]  # the recurrence's
+    return args, nbytes, flops
+
+
+WORKLOADS = {"paged_decode": decode_workload, "prefix_prefill": prefill_workload, "moe": moe_workload,
+             "gated_delta_rule": gdn_workload}
 
 
 def median_ms(fn, device: str, warmup_ms: float = 50, rep_ms: float = 200) -> float:
@@ -96,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batch", type=int, help="decode and prefill: sequences")
     p.add_argument("--context", type=int, help="decode: tokens per sequence; prefill: cached tokens")
-    p.add_argument("--new-tokens", type=int, help="prefill: new tokens per sequence")
+    p.add_argument("--new-tokens", type=int, help="prefill: new tokens per sequence (gated_delta_rule: 1 = decode)")
     p.add_argument("--tokens", type=int, help="moe: tokens")
     p.add_argument("--small", action="store_true", help="small model dimensions (for CPU smoke runs)")
     p.add_argument("--block-m", type=int)
@@ -111,11 +129,12 @@ def main(argv=None) -> int:
         print(json.dumps(dict(op=a.op, variant=a.variant, error=str(exc))))
         return 2
     names = {"paged_decode": ["batch", "context"], "prefix_prefill": ["batch", "context", "new_tokens"],
-             "moe": ["tokens"]}[a.op]
+             "moe": ["tokens"], "gated_delta_rule": ["batch", "new_tokens"]}[a.op]
     shape = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.small:
-        shape.update(dict(hidden=256, experts=16, intermediate=128) if a.op == "moe"
-                     else dict(num_heads=4, num_kv_heads=2, head_size=64))
+        shape.update({"moe": dict(hidden=256, experts=16, intermediate=128),
+                      "gated_delta_rule": dict(num_heads=4, num_k_heads=2, head_k=32, head_v=32)}.get(
+                          a.op, dict(num_heads=4, num_kv_heads=2, head_size=64)))
     kw = {k: v for k, v in dict(block_m=a.block_m, block_n=a.block_n, num_warps=a.num_warps).items() if v}
     if kw and a.op != "prefix_prefill":
         p.error("--block-m/--block-n/--num-warps apply to prefix_prefill only")

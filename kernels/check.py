@@ -4,7 +4,9 @@
 
 Every call draws fresh random inputs over a shape list that holds the edges where kernels break
 (partition boundaries, partial blocks, empty contexts, experts with no token, shared experts, GQA 4
-and 8, head sizes 128 and 256). The last stdout line is one JSON object: passed, worst error, where it occurred.
+and 8, head sizes 128 and 256, partial rotary; for the gated delta rule: packed sequences across chunk edges, states updated in
+place by slot with the other slots untouched, and a prefill continued by decode steps from its
+carried state). The last stdout line is one JSON object: passed, worst error, where it occurred.
 """
 from __future__ import annotations
 
@@ -38,6 +40,13 @@ FULL = {
         dict(seqs=[(8192, 16), (8193, 40)], **GQA8),
         dict(seqs=[(0, 511), (31, 600)], **GQA4),
     ],
+    "gated_delta_rule": [
+        dict(seq_lens=[100, 1, 64, 65, 300], num_heads=8, num_k_heads=4, head_k=64, head_v=64),
+        dict(seq_lens=[128, 128], num_heads=4, head_k=128, head_v=128, l2norm=False, initial_state=False),
+        dict(seq_lens=[1] * 6, num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True),  # Qwen3.6 decode
+        dict(seq_lens=[200, 3, 129], num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True),
+        dict(seq_lens=[70, 70], num_heads=4, num_k_heads=2, head_k=32, head_v=64, split=64),
+    ],
     "moe": [
         dict(tokens=1, hidden=256, experts=64, intermediate=128, top_k=8),
         dict(tokens=7, hidden=256, experts=64, intermediate=128, top_k=8, unused_experts=16),
@@ -45,19 +54,19 @@ FULL = {
         dict(tokens=64, hidden=128, experts=16, intermediate=64, top_k=2, unused_experts=5),
         dict(tokens=9, hidden=128, experts=16, intermediate=64, top_k=4, shared_experts=1),
     ],
+    "rms_norm": [
+        dict(tokens=1, hidden=2048, residual=True),
+        dict(tokens=300, hidden=2048, residual=False),
+        dict(tokens=64, hidden=2048, residual=True),
+        dict(tokens=33, hidden=1000, residual=True),
+    ],
+    "qk_norm_rope": [
+        dict(tokens=1, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
+        dict(tokens=300, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
+        dict(tokens=17, num_heads=8, num_kv_heads=2, head_size=128, rotary_dim=128, gated=False),
+        dict(tokens=9, num_heads=4, num_kv_heads=4, head_size=96, rotary_dim=24),
+    ],
 }
-FULL["rms_norm"] = [
-    dict(tokens=1, hidden=2048, residual=True),
-    dict(tokens=300, hidden=2048, residual=False),
-    dict(tokens=64, hidden=2048, residual=True),
-    dict(tokens=33, hidden=1000, residual=True),
-]
-FULL["qk_norm_rope"] = [
-    dict(tokens=1, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
-    dict(tokens=300, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
-    dict(tokens=17, num_heads=8, num_kv_heads=2, head_size=128, rotary_dim=128, gated=False),
-    dict(tokens=9, num_heads=4, num_kv_heads=4, head_size=96, rotary_dim=24),
-]
 # Qwen3.6-35B-A3B's expert shapes are too large for a float64 CPU reference; checked on CUDA only.
 CUDA_ONLY = {"moe": [dict(tokens=64, hidden=2048, experts=256, intermediate=512, top_k=8, unused_experts=32),
                      dict(tokens=300, hidden=2048, experts=256, intermediate=512, top_k=8, shared_experts=1)]}
@@ -71,6 +80,11 @@ SMALL = {
     "prefix_prefill": [
         dict(seqs=[(0, 9), (17, 20), (5, 1)], num_heads=4, num_kv_heads=2, head_size=32),
         dict(seqs=[(40, 33)], num_heads=8, num_kv_heads=1, head_size=16, block_size=8),
+    ],
+    "gated_delta_rule": [
+        dict(seq_lens=[20, 1, 70], num_heads=4, num_k_heads=2, head_k=16, head_v=32),
+        dict(seq_lens=[1] * 3, num_heads=4, num_k_heads=2, head_k=32, head_v=32, slots=True),
+        dict(seq_lens=[17, 17], num_heads=2, head_k=16, head_v=16, split=14),
     ],
     "moe": [
         dict(tokens=5, hidden=32, experts=8, intermediate=16, top_k=2, unused_experts=3),
@@ -108,13 +122,13 @@ def _poison(device: str, numel: int) -> None:
         torch.empty(numel * 2, dtype=torch.float32, device=device).fill_(float("nan"))
 
 
-def outputs(out) -> tuple[torch.Tensor, ...]:
-    """An op's outputs as a tuple (rms_norm with a residual and qk_norm_rope return two)."""
+def outputs(out) -> tuple:
+    """An op's results as a tuple (rms_norm with a residual, qk_norm_rope and the gated delta rule give two)."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def rel_error(out, ref) -> float:
-    """Worst ‖out − ref‖ / ‖ref‖ over the outputs; NaN when any output is non-finite."""
+    """Worst ‖out − ref‖ / ‖ref‖ over the results; NaN when any is non-finite."""
     errors = [_rel_error(o, r) for o, r in zip(outputs(out), outputs(ref))]
     return float("nan") if any(e != e for e in errors) else max(errors)
 
@@ -132,25 +146,100 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               b.contiguous().view(-1).view(torch.uint8))
 
 
+def _compare(out, ref_out, dtype) -> float:
+    """Worst relative error over the results; raises when one is missing, misshapen or mistyped."""
+    outs, refs = outputs(out), outputs(ref_out)
+    if len(outs) != len(refs) or (outs[0] is not None and outs[0].dtype != dtype):
+        raise AssertionError(f"results {_describe(out)} do not match {_describe(ref_out)} (first in {dtype})")
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        if (o is None) != (r is None) or (o is not None and o.shape != r.shape):
+            raise AssertionError(f"results {_describe(out)} do not match {_describe(ref_out)}")
+        if o is not None:
+            err = rel_error(o, r)
+            worst = err if not err <= worst else worst  # NaN sticks
+    return worst
+
+
+def _describe(out) -> str:
+    return ", ".join("None" if o is None else f"{tuple(o.shape)} {o.dtype}" for o in outputs(out))
+
+
+def _numel(out) -> int:
+    return sum(o.numel() for o in outputs(out) if o is not None)
+
+
+def _tensors(args: dict) -> dict:
+    return {k: v for k, v in args.items() if torch.is_tensor(v)}
+
+
 def check_one(fn: Callable, reference: Callable, args: dict) -> float:
-    """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed."""
-    before = {k: v.clone() for k, v in args.items() if torch.is_tensor(v)}
-    ref_out = outputs(reference(**as_float64(args)))
-    _poison(ref_out[0].device.type, sum(r.numel() for r in ref_out))
-    out = outputs(fn(**args))
+    """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed.
+
+    A gated delta rule call with ``state_slots`` updates its state pool in place: there the pool's
+    slots are compared with the reference's, and every other slot must keep its bytes."""
+    if args.get("state_slots") is not None:
+        return check_slots(fn, reference, args)
+    before = {k: v.clone() for k, v in _tensors(args).items()}
+    ref_out = reference(**as_float64(args))
+    _poison(outputs(ref_out)[0].device.type, _numel(ref_out))
+    out = fn(**args)
     for k, v in before.items():
         if not _same_bytes(v, args[k]):
             raise AssertionError(f"input {k!r} was modified")
-    dtype = next(v for v in args.values() if torch.is_tensor(v)).dtype
-    if len(out) != len(ref_out):
-        raise AssertionError(f"{len(out)} outputs, the reference gives {len(ref_out)}")
-    inputs_at = {v.data_ptr() for v in args.values() if torch.is_tensor(v)}
-    for o, r in zip(out, ref_out):
-        if o.shape != r.shape or o.dtype != dtype:
-            raise AssertionError(f"output {tuple(o.shape)} {o.dtype} does not match {tuple(r.shape)} {dtype}")
-        if o.data_ptr() in inputs_at:
-            raise AssertionError("output aliases an input")
-    return rel_error(out, ref_out)
+    err = _compare(out, ref_out, next(iter(before.values())).dtype)
+    inputs_at = {v.data_ptr() for v in before.values()} | {v.data_ptr() for v in _tensors(args).values()}
+    if any(o is not None and o.data_ptr() in inputs_at for o in outputs(out)):
+        raise AssertionError("output aliases an input")
+    return err
+
+
+def check_slots(fn: Callable, reference: Callable, args: dict) -> float:
+    pool, slots = args["initial_state"], args["state_slots"]
+    before = {k: v.clone() for k, v in _tensors(args).items()}
+    ref_args = as_float64(args)
+    ref_args["initial_state"] = pool.double().clone()
+    ref_out = reference(**ref_args)
+    _poison(pool.device.type, _numel(ref_out))
+    out = fn(**args)
+    for k, v in before.items():
+        if k != "initial_state" and not _same_bytes(v, args[k]):
+            raise AssertionError(f"input {k!r} was modified")
+    rest = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    rest[slots.long()] = False
+    if not _same_bytes(pool[rest], before["initial_state"][rest]):
+        raise AssertionError("states outside state_slots were modified")
+    err = _compare(out, ref_out, args["q"].dtype)
+    state_err = rel_error(pool[slots.long()], ref_args["initial_state"][slots.long()])
+    return err if not err <= state_err else state_err
+
+
+def check_split(fn: Callable, reference: Callable, args: dict, split: int) -> float:
+    """A prefill of ``split`` tokens per sequence, then its final state carried into one decode step
+    per remaining token (states in a slot pool), against one reference call over all tokens."""
+    ref_o, ref_s = reference(**as_float64(args))
+    seq = ("q", "k", "v", "g", "beta")
+    first = {**args, **{k: args[k][:, :split] for k in seq}, "output_final_state": True}
+    o1, s1 = fn(**first)
+    n = args["q"].shape[0]
+    pool = torch.full((n + 2, *s1.shape[1:]), float("nan"), dtype=s1.dtype, device=s1.device)
+    slots = torch.randperm(n + 2, device=s1.device)[:n]
+    pool[slots] = s1
+    outs = [o1]
+    for t in range(split, args["q"].shape[1]):
+        step = {**args, **{k: args[k][:, t:t + 1] for k in seq}, "initial_state": pool, "state_slots": slots,
+                "output_final_state": False}
+        outs.append(fn(**step)[0])
+    err = _compare(torch.cat(outs, 1), ref_o, args["q"].dtype)
+    state_err = rel_error(pool[slots], ref_s)
+    return err if not err <= state_err else state_err
+
+
+def check_shape(op: str, fn: Callable, reference: Callable, shape: dict, dtype, device) -> float:
+    shape = dict(shape)
+    split = shape.pop("split", None)
+    args = make_inputs(op, shape, dtype, device)
+    return check_one(fn, reference, args) if split is None else check_split(fn, reference, args, split)
 
 
 def run(op: str, variant: str, device: str = "cpu", dtype=torch.float32, small: bool = False, seed=None) -> dict:
@@ -162,7 +251,7 @@ def run(op: str, variant: str, device: str = "cpu", dtype=torch.float32, small: 
     worst, where, failure = 0.0, None, None
     for shape in shape_list(op, device, small):
         try:
-            err = check_one(fn, reference, make_inputs(op, shape, dtype, device))
+            err = check_shape(op, fn, reference, shape, dtype, device)
         except Exception as exc:  # a crash is a failed check, reported with its shape
             failure, where, worst = f"{type(exc).__name__}: {exc}", shape, float("nan")
             break

@@ -133,3 +133,41 @@ def qk_norm_rope(tokens, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim
         return (1 + 0.1 * torch.randn(head_size, generator=gen, device=device)).to(dtype)
 
     return dict(q=q, k=k, q_weight=weight(), k_weight=weight(), cos=freqs.cos(), sin=freqs.sin(), eps=1e-6)
+
+
+def gated_delta_rule(seq_lens, num_heads=4, num_k_heads=None, head_k=32, head_v=32, packed=None, l2norm=True,
+                     initial_state=True, slots=False, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """Sequences of ``seq_lens`` tokens, packed along T (``cu_seqlens``) unless all have one length
+    (then [B, T]; ``packed`` forces either). Decays range from fast to nearly none across heads, so a
+    head remembers its state for a few to a few hundred tokens. ``l2norm``: normalised in the kernel
+    (else q and k come normalised: the rule needs unit keys to stay stable). ``slots``: the states
+    live in a larger pool, in shuffled rows, and are updated in place there."""
+    gen = _generator(device, seed)
+    hk = num_k_heads or num_heads
+    packed = len(set(seq_lens)) > 1 if packed is None else packed
+    b, t = (1, sum(seq_lens)) if packed else (len(seq_lens), seq_lens[0])
+    n = len(seq_lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    q, k = rand(b, t, hk, head_k), rand(b, t, hk, head_k)
+    if not l2norm:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    head_bias = torch.linspace(1.0, 6.0, num_heads, device=device)
+    g = torch.nn.functional.logsigmoid(1.5 * rand(b, t, num_heads) + head_bias)
+    args = dict(q=q.to(dtype), k=k.to(dtype), v=rand(b, t, num_heads, head_v).to(dtype), g=g.to(dtype),
+                beta=torch.sigmoid(rand(b, t, num_heads)).to(dtype), initial_state=None, output_final_state=True,
+                use_qk_l2norm_in_kernel=l2norm, cu_seqlens=None, state_slots=None)
+    if packed:
+        starts = [0]
+        for length in seq_lens:
+            starts.append(starts[-1] + length)
+        args["cu_seqlens"] = torch.tensor(starts, dtype=torch.int32, device=device)
+    if slots:
+        args["initial_state"] = rand(n + 3, num_heads, head_k, head_v)
+        args["state_slots"] = torch.randperm(n + 3, generator=gen, device=device)[:n].int()
+        args["output_final_state"] = False
+    elif initial_state:
+        args["initial_state"] = rand(n, num_heads, head_k, head_v)
+    return args

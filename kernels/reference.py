@@ -1,4 +1,4 @@
-"""Plain float64 definitions of the three ops: what every other variant is checked against.
+"""Plain float64 definitions of the ops: what every other variant is checked against.
 
 Each computes in float64 and returns the query's / hidden states' dtype, so the reference is also a
 usable (slow) variant; pass float64 inputs to get the full-precision answer.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import gdn
 from kernels.routing import check_moe, route
 
 
@@ -100,3 +101,29 @@ def _rope64(x, cos, sin):
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
     return (_rope64(_rms64(q, q_weight, eps), cos, sin).to(q.dtype),
             _rope64(_rms64(k, k_weight, eps), cos, sin).to(k.dtype))
+
+
+def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_slots=None):
+    """Token by token, every head at once (the contract: ``kernels/gdn.py``)."""
+    n = gdn.check(q, k, v, g, beta, initial_state, cu_seqlens, state_slots)
+    qf, kf, vf, gf, bf, cu = gdn.packed(q, k, v, g, beta, cu_seqlens)
+    qf, kf, vf, gf, bf = (x.double() for x in (qf, kf, vf, gf, bf))
+    if use_qk_l2norm_in_kernel:
+        qf, kf = gdn.l2norm(qf), gdn.l2norm(kf)
+    group = vf.shape[1] // qf.shape[1]
+    qf, kf = qf.repeat_interleave(group, 1), kf.repeat_interleave(group, 1)  # [tokens, H, K]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    buf, slots, returned = gdn.state_buffer(q, v, initial_state, state_slots, n)
+    out = torch.zeros(vf.shape, dtype=torch.float64, device=q.device)
+    for i, (a, b) in enumerate(gdn.spans(cu)):
+        slot = int(slots[i])
+        s = buf[slot].double()  # [H, K, V]
+        for t in range(a, b):
+            s = s * gf[t].exp()[:, None, None]
+            u = bf[t][:, None] * (vf[t] - (kf[t][:, None, :] @ s)[:, 0])  # v - S^T k, per head
+            s = s + kf[t][:, :, None] * u[:, None, :]
+            out[t] = scale * (qf[t][:, None, :] @ s)[:, 0]
+        buf[slot] = s.to(buf.dtype)
+    o = out.reshape(v.shape).to(q.dtype)
+    return o, (buf if returned and output_final_state else None)

@@ -70,8 +70,9 @@ def _open(project):
 
 def _recover(store, journal) -> None:
     from orchestrator.recovery import recover
+    from orchestrator.store import label
     for step in recover(store, journal):
-        console.print(f"recovered: [red]{escape(step['plugin'])}[/] rolled back (interrupted during {step['state']}) "
+        console.print(f"recovered: [red]{escape(label(step))}[/] rolled back (interrupted during {step['state']}) "
                       f"in run {step['run_id']}", highlight=False)
 
 
@@ -114,7 +115,8 @@ def run(config: Optional[Path] = ConfigOpt,
         only: Optional[List[str]] = typer.Option(None, help="stage only these plugin ids (repeat or comma-separate)"),
         skip: Optional[List[str]] = typer.Option(None, help="do not stage these plugin ids"),
         preset: Optional[str] = typer.Option(None, help="embedded default: the engine's model preset "
-                                             "(tiny, small, qwen3.6-35b-a3b) or a config.json"),
+                                             "(tiny, tiny-hybrid, small, qwen3.6-35b-a3b, "
+                                             "qwen3.6-35b-a3b-dense) or a config.json"),
         device: Optional[str] = typer.Option(None, help="embedded default: the engine's device (cpu, cuda, cuda:N)"),
         dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
         num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth"),
@@ -124,7 +126,7 @@ def run(config: Optional[Path] = ConfigOpt,
                                       "decisions were measured in another environment (shown stale by status)")) -> None:
     """Measure the baseline, then stage every plugin in order: keep what helps, roll back the rest."""
     from orchestrator.lock import project_lock
-    from orchestrator.stage import Interrupted, Stager
+    from orchestrator.loop import Interrupted, run as stage_all
     from orchestrator.status import status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
     plugins = _plugins(project)
@@ -144,13 +146,14 @@ def run(config: Optional[Path] = ConfigOpt,
             raise Interrupted(f"signal {signum}")
         signal.signal(signal.SIGTERM, stop)
         live = Live(console=console, transient=True, refresh_per_second=8) if console.is_terminal else None
-        stager = Stager(project, plugins, store, journal, LiveReporter(live))
+        stage = functools.partial(stage_all, project, plugins, store, journal, LiveReporter(live), only_ids, skip_ids,
+                                  attribute, reverify)
         try:
             if live:
                 with live:
-                    run_id = stager.run(only_ids, skip_ids, attribute, reverify)
+                    run_id = stage()
             else:
-                run_id = stager.run(only_ids, skip_ids, attribute, reverify)
+                run_id = stage()
         except (KeyboardInterrupt, Interrupted):
             raise UserError("interrupted; the unfinished plugin was rolled back and the run recorded as interrupted")
         data = status_data(store, run_id)
@@ -167,11 +170,11 @@ def status(config: Optional[Path] = ConfigOpt,
            runs: bool = typer.Option(False, "--runs", help="list all runs")) -> None:
     """Outcomes of the latest run (works while a run is going)."""
     from orchestrator.status import runs_table, status_data
-    from orchestrator.store import Store
+    from orchestrator.store import Reader
     project = _project(config)
     if not project.db_path.exists():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Store(project.db_path, readonly=True)
+    store = Reader(project.db_path)
     if runs:
         if json_out:
             print(json.dumps(store.runs(), indent=1, default=str))
@@ -201,12 +204,12 @@ def show_status(data: dict) -> None:
 def plan(config: Optional[Path] = ConfigOpt) -> None:
     """The ordered plan, preconditions and the diff each plugin would make. Changes nothing."""
     from orchestrator.plan import build_plan
-    from orchestrator.store import Store
+    from orchestrator.store import Reader
     project = _project(config)
     plugins = _plugins(project)
     kept: set[str] = set()
     if project.db_path.exists():
-        store = Store(project.db_path, readonly=True)
+        store = Reader(project.db_path)
         kept = set(store.deployed())
     for root in dict.fromkeys(project.target.roots.values()):
         if not root.exists():
@@ -256,6 +259,7 @@ def recover(config: Optional[Path] = ConfigOpt) -> None:
     """Restore the last kept state after a crash (also done at the start of run and rollback)."""
     from orchestrator.lock import project_lock
     from orchestrator.recovery import recover as do_recover
+    from orchestrator.store import label
     project = _project(config)
     if not project.db_path.exists():
         console.print("nothing to recover")
@@ -264,7 +268,7 @@ def recover(config: Optional[Path] = ConfigOpt) -> None:
         store, journal = _open(project)
         rolled = do_recover(store, journal)
         for step in rolled:
-            console.print(f"[red]rolled_back[/] {escape(step['plugin'])}: interrupted during {step['state']} "
+            console.print(f"[red]rolled_back[/] {escape(label(step))}: interrupted during {step['state']} "
                           f"(run {step['run_id']})", highlight=False)
         if not rolled:
             console.print("nothing to recover")
@@ -346,11 +350,11 @@ def report(config: Optional[Path] = ConfigOpt,
         from orchestrator.report import write_report
     except ImportError as e:
         raise UserError(f"reports are not available in this installation (orchestrator.report: {e})")
-    from orchestrator.store import Store
+    from orchestrator.store import Reader
     project = _project(config)
     if not project.db_path.exists():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Store(project.db_path, readonly=True)
+    store = Reader(project.db_path)
     run_row = store.run(run_id) if run_id is not None else store.run()
     if run_row is None:
         raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")

@@ -159,10 +159,8 @@ class Judge:
         self.interleave = bool(_policy(policy, "interleave"))
 
     def keeps(self, decision: Decision) -> bool:
-        """Whether the deployment keeps the candidate, applying ``on_inconclusive`` (default roll back)."""
-        if decision.verdict == "inconclusive":
-            return _policy(self.policy, "on_inconclusive") == "keep"
-        return decision.verdict == "keep"
+        """Whether the deployment keeps the candidate, guardrails aside (see ``outcome``)."""
+        return outcome(decision, (), self.policy)[0] == "kept"
 
     def decide(self, baseline: Sequence[float], candidate: Sequence[float], final: bool) -> Decision | None:
         n = min(len(baseline), len(candidate))
@@ -227,6 +225,24 @@ class Judge:
 
     def _implausible(self, log_effect: float) -> bool:
         return abs(log_effect) > math.log(self.implausible_factor)
+
+
+def outcome(decision: Decision, vetoes: Sequence[str], policy: Any) -> tuple[str, str | None]:
+    """The keep-or-roll-back rule, applied to every judged candidate: ``("kept", reason)`` or ``("rolled_back", reason)``.
+
+    ``keep`` is kept (no reason). ``inconclusive`` is rolled back, or kept with reason ``inconclusive`` when
+    ``on_inconclusive`` is ``keep``. A guardrail veto turns a keep into ``rolled_back: guardrail``. Otherwise
+    the verdict is the reason: ``no_gain``, ``regressed`` or ``inconclusive``.
+    """
+    if decision.verdict == "keep":
+        reason = None
+    elif decision.verdict == "inconclusive" and _policy(policy, "on_inconclusive") == "keep":
+        reason = "inconclusive"
+    else:
+        return "rolled_back", decision.verdict if decision.verdict in ("no_gain", "regressed") else "inconclusive"
+    if vetoes:
+        return "rolled_back", "guardrail"
+    return "kept", reason
 
 
 class GuardrailError(ValueError):

@@ -6,6 +6,8 @@ and may initialise a GPU, and a fingerprint is taken with every measurement.
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 import platform
 import re
 import shutil
@@ -14,6 +16,8 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from orchestrator.errors import UserError
 
 # What changes measured speed; python and platform are informative only.
 STALE_KEYS = ("host", "gpu", "gpu_count", "gpu_driver", "cuda", "torch", "triton", "vllm", "cpu_governor")
@@ -81,6 +85,22 @@ def fingerprint(refresh: bool = False) -> dict[str, Any]:
     if refresh:
         _cached.cache_clear()
     return dict(_cached())
+
+
+def environment() -> dict[str, Any]:
+    """The current fingerprint; ORCHESTRATOR_FINGERPRINT_EXTRA (a JSON object) overrides keys of it, to mark a
+    change the fingerprint cannot see (new firmware, another node pool) so that earlier decisions show stale."""
+    info = fingerprint()
+    extra = os.environ.get("ORCHESTRATOR_FINGERPRINT_EXTRA")
+    if extra:
+        try:
+            overrides = json.loads(extra)
+        except ValueError as e:
+            raise UserError(f"environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: not JSON: {e}") from None
+        if not isinstance(overrides, dict):
+            raise UserError("environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: must be a JSON object")
+        info = {**info, **overrides}
+    return info
 
 
 def differences(recorded: dict[str, Any] | None, current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -115,7 +115,7 @@ class Journal:
             if (root_name, rel) not in known:
                 rows += self._pre_rows(step_id, root_name, root, rel, known)
         if rows:
-            self.store.db["files"].insert_all(rows)
+            self.store.add_files(rows)
 
     def _pre_rows(self, step_id: int, root_name: str, root: Path, rel: str, known: set) -> list[dict]:
         full = root / rel
@@ -149,7 +149,7 @@ class Journal:
             return
         manifest = self._scan(root, store=True)
         digest = self.put_bytes(json.dumps(manifest, sort_keys=True).encode())
-        self.store.db["trees"].insert(dict(step_id=step_id, root=root_name, root_path=str(root), manifest=digest))
+        self.store.add_tree(step_id, root_name, str(root), digest)
 
     def _scan(self, root: Path, store: bool) -> dict:
         files, links, dirs = {}, {}, []
@@ -187,15 +187,14 @@ class Journal:
                     before, mode = pre["files"].get(rel, (None, None))
                     new_rows.append(dict(step_id=step_id, root=tree["root"], root_path=str(root), path=rel,
                                          kind="file", before=before, before_mode=mode))
-        with self.store.db.atomic():
-            if new_rows:
-                self.store.db["files"].insert_all(new_rows)
+        with self.store.transaction():
+            self.store.add_files(new_rows)
             for r in self.store.file_rows(step_id):
                 if r["kind"] != "file":
                     continue
                 full = Path(r["root_path"]) / r["path"]
                 after, mode = self.put_file(full) if full.is_file() and not full.is_symlink() else (None, None)
-                self.store.db["files"].update(r["id"], dict(after=after, after_mode=mode, sealed=1))
+                self.store.set_file(r["id"], after=after, after_mode=mode, sealed=1)
 
     # putting images on disk
     def show(self, step_id: int, image: str) -> None:
@@ -285,13 +284,3 @@ class Journal:
     def current(row: dict) -> str | None:
         full = Path(row["root_path"]) / row["path"]
         return sha256_file(full) if full.is_file() and not full.is_symlink() else None
-
-    def drifted(self, step_id: int) -> list[str]:
-        """Files of a kept step that no longer hold what the deployment expects (the last kept post-image)."""
-        expected: dict[tuple[str, str], str | None] = {}
-        for row in self.store.deployed().values():
-            for f in self.store.file_rows(row["step_id"]):
-                if f["kind"] == "file":
-                    expected[(f["root_path"], f["path"])] = f["after"]
-        return [f["path"] for f in self.store.file_rows(step_id) if f["kind"] == "file"
-                and self.current(f) != expected.get((f["root_path"], f["path"]), f["after"])]

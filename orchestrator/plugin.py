@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -129,6 +129,9 @@ class Manifest(_Strict):
     verify: list[Check] = Field(default_factory=list)
     rollback: list[UndoStep] = Field(default_factory=list)
     accept: Accept | None = None  # type: ignore[valid-type]
+    # The change alters the model's arithmetic on purpose (e.g. an fp8 KV cache): greedy outputs are then
+    # judged by agreement with the baseline's, not equality (the probe reads NUMERICS_ENV).
+    changes_numerics: bool = False
 
     @model_validator(mode="after")
     def _params(self) -> "Manifest":
@@ -339,6 +342,17 @@ def order(plugins: list[Plugin]) -> list[Plugin]:
         stuck = sorted(p for p, d in deps.items() if d)
         raise ConfigError(by_id[stuck[0]].source, "after", f"dependency cycle among: {', '.join(stuck)}")
     return done
+
+
+NUMERICS_ENV = "ORCHESTRATOR_CHANGES_NUMERICS"
+
+
+def numerics_env(plugins: Iterable[Plugin]) -> dict[str, str]:
+    """The probe environment for a state made of ``plugins`` (the kept ones and the candidate):
+    NUMERICS_ENV names, comma-separated, those that declare ``changes_numerics``; the greedy
+    correctness probe then compares by agreement instead of equality. Empty when none does."""
+    ids = [p.id for p in plugins if p.manifest.changes_numerics]
+    return {NUMERICS_ENV: ",".join(ids)} if ids else {}
 
 
 def schema() -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from orchestrator.journal import Journal
 from orchestrator.probes.marks import sweep_scope
 from orchestrator.probes.runner import kill_group
-from orchestrator.store import Store
+from orchestrator.store import Store, label
 
 
 def recover(store: Store, journal: Journal, run_status: str = "interrupted", detail: str | None = None) -> list[dict]:
@@ -23,7 +23,7 @@ def recover(store: Store, journal: Journal, run_status: str = "interrupted", det
         journal.restore(step["id"], exact=True)
         store.finish_step(step["id"], "rolled_back", "interrupted",
                           detail or f"the run stopped during {step['state']}; files restored")
-        store.event(step["run_id"], "recovered", f"{step['plugin']}: restored pre-images", step["id"])
+        store.event(step["run_id"], "recovered", f"{label(step)}: restored pre-images", step["id"])
         rolled.append(step)
     for run in store.open_runs():
         store.finish_run(run["id"], run_status, detail)

@@ -18,8 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
-from orchestrator.status import FINAL, environment
-from orchestrator.store import Store, loads
+from orchestrator.fingerprint import environment
+from orchestrator.store import Reader, label, loads
 
 
 class ReportError(LookupError):
@@ -28,8 +28,9 @@ class ReportError(LookupError):
 
 @dataclass
 class Stage:
-    """One plugin attempt as the report shows it."""
-    plugin: str
+    """One step (a plugin attempt, or a re-measurement of the kept stack) as the report shows it."""
+    plugin: str  # its label: the plugin id, "(final)" or "(without ID)"
+    kind: str
     outcome: str | None
     reason: str | None
     detail: str | None
@@ -67,7 +68,7 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
     """The run row, the run-level baseline samples, the stages and the objective's name."""
     if not Path(db_path).is_file():
         raise ReportError(f"{db_path}: no such database")
-    store = Store(Path(db_path), readonly=True)
+    store = Reader(Path(db_path))
     try:
         run = store.run(run_id)
         if run is None:
@@ -79,8 +80,8 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
             row = decisions.get(step["id"])
             measurements = store.measurements(step["id"], run_id)
             prints = [loads(m["fingerprint"]) for m in measurements if m.get("fingerprint")]
-            stage = Stage(step["plugin"], step["outcome"], step["reason"], step["detail"], loads(step["params"]),
-                          step["duration"], samples=_objective_samples(measurements),
+            stage = Stage(label(step), step["kind"], step["outcome"], step["reason"], step["detail"],
+                          loads(step["params"]), step["duration"], samples=_objective_samples(measurements),
                           fingerprint=prints[-1] if prints else None)
             if row is not None:
                 stage.decision = loads(row["decision"]) or {k: row[k] for k in row}
@@ -194,7 +195,7 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
                                                   if measured.get(k) is not None))
     counts = {k: sum(s.outcome == k for s in stages) for k in ("kept", "rolled_back", "skipped")}
     out += ["", f"Kept {counts['kept']}, rolled back {counts['rolled_back']}, skipped {counts['skipped']}."]
-    final = next((s for s in stages if s.plugin == FINAL and s.decision), None)
+    final = next((s for s in stages if s.kind == "final" and s.decision), None)
     if final is not None:
         verdict = "beats" if final.decision.get("verdict") == "keep" else "is NOT better than"
         out.append(f"Final re-validation: the kept stack as a whole {verdict} the run's baseline "

@@ -4,11 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.config import Project
+from orchestrator.context import open_run
+from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
 from orchestrator.journal import Journal
 from orchestrator.plugin import Plugin
-from orchestrator.stage import Stager
-from orchestrator.steps import StepFailed, undo_step
 from orchestrator.store import Store, loads
 
 
@@ -52,32 +52,21 @@ def conflicts(store: Store, journal: Journal, todo: list[dict]) -> list[str]:
 
 def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict], plugins: dict[str, Plugin]) -> list[dict]:
     """Each undo is itself journaled: a crash half-way is recovered back to the kept state."""
-    run_id = store.start_run("rollback", str(project.source or "<embedded default>"), project.target.kind)
-    stager = Stager(project, [], store, journal)
-    stager.run_id = run_id
+    run = open_run(project, store, journal, "rollback")
+    deployment = Deployment(store, journal)
     for row in todo:
         kept_step = row["step_id"]
-        step_id = store.new_step(run_id, row["plugin"], "rolling_back", params=loads(row["params"]))
-        for f in store.file_rows(kept_step):
-            if f["kind"] == "file":
-                journal.track(step_id, f["root"], Path(f["root_path"]), f["path"])
+        params = loads(row["params"])
+        step_id = store.new_step(run.run_id, row["plugin"], "rolling_back", params=params, kind="rollback")
+        for f in deployment.files(kept_step):
+            journal.track(step_id, f["root"], Path(f["root_path"]), f["path"])
         journal.show(kept_step, "pre")
         plugin = plugins.get(row["plugin"])
         if plugin:
-            params = loads(row["params"]) or {}
-            variant = next((v for v in plugin.variants if v.params == params), plugin.variants[0])
-            ctx = stager.context(plugin, step_id)
-            for step in reversed(variant.rollback):
-                if step.runs_on(project.target.kind):
-                    try:
-                        undo_step(step, ctx)
-                    except StepFailed as e:
-                        store.event(run_id, "rollback_step_failed", f"{row['plugin']}: {e}", step_id)
+            run.undo_steps(plugin, params, step_id)
         else:
-            store.event(run_id, "warning", f"{row['plugin']}: plugin folder gone; only files restored", step_id)
-        with store.db.atomic():
-            store.undeploy(row["plugin"])
-            store.finish_step(step_id, "rolled_back", "requested", f"undid step {kept_step} "
-                                                                   f"(run {store.step(kept_step)['run_id']})")
-    store.finish_run(run_id, "finished")
+            store.event(run.run_id, "warning", f"{row['plugin']}: plugin folder gone; only files restored", step_id)
+        deployment.remove(row["plugin"], step_id, "requested",
+                          f"undid step {kept_step} (run {store.step(kept_step)['run_id']})")
+    store.finish_run(run.run_id, "finished")
     return todo

@@ -34,6 +34,8 @@ verify:                    # fails -> rolled_back: verify_failed
 
 # accept:                  # overrides the policy of orchestrator.yaml for this plugin
 #   min_gain: 0.0
+
+# changes_numerics: true   # e.g. an fp8 KV cache: greedy outputs must agree with the baseline's, not equal them
 """
 
 

@@ -1,39 +1,17 @@
-"""What `status` shows: the 3.4 JSON document and the rich tables built from the same rows."""
+"""What `status` shows: the `status --json` document (docs/orchestrator.md, section 4) and the rich tables
+built from it."""
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.errors import UserError
-from orchestrator.store import Store, loads
-
-# Re-measurements of the kept stack are steps under these names; plugin ids start with a letter or digit.
-FINAL = "(final)"
-WITHOUT = "(without "
+from orchestrator.fingerprint import environment
+from orchestrator.store import Reader, loads
 
 
-def environment() -> dict[str, Any]:
-    """The current fingerprint; ORCHESTRATOR_FINGERPRINT_EXTRA (a JSON object) overrides keys of it, to mark a
-    change the fingerprint cannot see (new firmware, another node pool) so that earlier decisions show stale."""
-    from orchestrator.fingerprint import fingerprint
-    info = fingerprint()
-    extra = os.environ.get("ORCHESTRATOR_FINGERPRINT_EXTRA")
-    if extra:
-        try:
-            overrides = json.loads(extra)
-        except ValueError as e:
-            raise UserError(f"environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: not JSON: {e}") from None
-        if not isinstance(overrides, dict):
-            raise UserError("environment variable ORCHESTRATOR_FINGERPRINT_EXTRA: must be a JSON object")
-        info = {**info, **overrides}
-    return info
-
-
-def _stale(store: Store, step: dict, current: dict[str, Any]) -> dict[str, Any]:
+def _stale(store: Reader, step: dict, current: dict[str, Any]) -> dict[str, Any]:
     """Whether a kept decision was measured in another environment (an already_applied step: its original's)."""
     from orchestrator.fingerprint import describe, is_stale
     recorded = store.fingerprint_of(step["id"])
@@ -47,7 +25,7 @@ def _stale(store: Store, step: dict, current: dict[str, Any]) -> dict[str, Any]:
     return {"stale": True, "stale_because": describe(recorded, current)}
 
 
-def status_data(store: Store, run_id: int | None = None) -> dict[str, Any] | None:
+def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | None:
     run = store.run(run_id) if run_id is not None else store.run(command="run") or store.run(command=None)
     if run is None:
         return None
@@ -60,15 +38,15 @@ def status_data(store: Store, run_id: int | None = None) -> dict[str, Any] | Non
         item = {"plugin": s["plugin"], "outcome": s["outcome"], "reason": s["reason"], "gain": s["gain"],
                 "metrics": loads(s["metrics"]) or {}, "params": loads(s["params"]), "state": s["state"],
                 "detail": s["detail"], "objective": s["objective"], "before": s["before_value"],
-                "after": s["after_value"], "duration": s["duration"]}
+                "after": s["after_value"], "duration": s["duration"], "control": loads(s["control"])}
         if d:
             item["decision"] = {k: d[k] for k in ("verdict", "rule", "ci_low", "ci_high", "n_baseline", "n_candidate",
                                                   "baseline_median", "candidate_median")}
             item["decision"]["vetoes"] = loads(d["vetoes"]) or []
-        if s["plugin"] == FINAL:
+        if s["kind"] == "final":
             final = {**item, "better": bool(d) and d["verdict"] == "keep"}
-        elif s["plugin"].startswith(WITHOUT):
-            attribution.append({**item, "plugin": s["plugin"][len(WITHOUT):-1]})
+        elif s["kind"] == "attribution":
+            attribution.append(item)
         else:
             if s["outcome"] == "kept":
                 item.update(_stale(store, s, current))
@@ -124,21 +102,33 @@ def steps_table(data: dict[str, Any]) -> Table:
     run = data["run"]
     table = Table(title=f"run {run['id']} ({run['command']}): {run['status']}")
     table.add_column("plugin", overflow="fold")
-    for col in ("outcome", "reason", "objective before → after", "gain", "duration", "stale"):
+    controls = any(s.get("control") for s in data["steps"])
+    for col in ("outcome", "reason", "objective before → after", "gain", "duration", "stale") + (
+            ("control",) if controls else ()):
         table.add_column(col)
     style = {"kept": "green", "rolled_back": "red", "skipped": "yellow"}
     for s in data["steps"]:
         name = s["plugin"] + (" [" + ",".join(f"{k}={v}" for k, v in s["params"].items()) + "]" if s["params"] else "")
         outcome = s["outcome"] or s["state"]
         change = "" if s["before"] is None and s["after"] is None else f"{_num(s['before'])} → {_num(s['after'])}"
-        table.add_row(escape(name), f"[{style.get(outcome, 'cyan')}]{outcome}[/]", s["reason"] or "", change,
-                      "" if s["gain"] is None else f"{s['gain']:+.2%}",
-                      "" if s["duration"] is None else f"{s['duration']:.1f}s",
-                      f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else "")
+        row = [escape(name), f"[{style.get(outcome, 'cyan')}]{outcome}[/]", s["reason"] or "", change,
+               "" if s["gain"] is None else f"{s['gain']:+.2%}",
+               "" if s["duration"] is None else f"{s['duration']:.1f}s",
+               f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else ""]
+        table.add_row(*row, *([_control(s.get("control"))] if controls else []))
     return table
 
 
-def runs_table(store: Store) -> Table:
+def _control(control: dict | None) -> str:
+    """The probe a failed candidate was re-checked with on the last kept state, and how that went."""
+    if not control:
+        return ""
+    if control["passed"]:
+        return f"[green]{escape(control['probe'])} passed[/]"
+    return f"[red]{escape(control['probe'])} failed: {escape(control['reason'] or '')}[/]"
+
+
+def runs_table(store: Reader) -> Table:
     table = Table(title="runs")
     for col in ("id", "command", "status", "kept", "rolled back", "skipped", "detail"):
         table.add_column(col)

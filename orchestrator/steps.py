@@ -8,7 +8,7 @@ import io
 import itertools
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,8 +44,6 @@ class StepContext:
     on_start: Callable | None = None
     on_tick: Callable | None = None
     tmp_dir: Path | None = None
-    label: str = ""
-    outputs: list[str] = field(default_factory=list)
 
     def root_of(self, action) -> tuple[str, Path]:
         name = action.root or next(iter(self.roots))

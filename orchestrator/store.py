@@ -1,12 +1,19 @@
-"""The run history in SQLite (WAL): runs, steps, measurements, decisions, files, processes, events."""
+"""The run history in SQLite (WAL): runs, steps, measurements, decisions, files, processes, events.
+
+The schema's version is SQLite's `user_version`; a writer brings an older database up to date when it opens
+it (`MIGRATIONS`), and a reader of an older one sees it as if it had been (temporary views, nothing written).
+"""
 from __future__ import annotations
 
 import json
 import os
 import sqlite3
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
+
+from orchestrator.errors import UserError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -16,7 +23,7 @@ CREATE TABLE IF NOT EXISTS steps (
   id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id), seq INTEGER, plugin TEXT NOT NULL,
   params TEXT, state TEXT NOT NULL, image TEXT, outcome TEXT, reason TEXT, detail TEXT,
   gain REAL, objective TEXT, before_value REAL, after_value REAL, metrics TEXT, baseline_metrics TEXT,
-  started REAL, finished REAL, duration REAL);
+  started REAL, finished REAL, duration REAL, kind TEXT NOT NULL DEFAULT 'attempt', control TEXT);
 CREATE INDEX IF NOT EXISTS steps_run ON steps(run_id, seq);
 CREATE INDEX IF NOT EXISTS steps_open ON steps(state);
 CREATE TABLE IF NOT EXISTS files (
@@ -49,6 +56,47 @@ CREATE TABLE IF NOT EXISTS events (
 
 
 
+# What a step is: a plugin staged (`attempt`), the re-validation of the stack a run kept (`final`, its `plugin`
+# is "(final)"), the stack without one kept plugin (`attribution`, `plugin` is the one left out), a kept plugin
+# re-judged by `run --reverify` (`reverify`), or a kept plugin undone by `rollback` (`rollback`). `control`
+# holds the result of re-running a probe the candidate failed on the last kept state (JSON), if one was run.
+STEP_KINDS = ("attempt", "final", "attribution", "reverify", "rollback")
+
+# Databases of schema version 0 name re-measurement steps "(final)" and "(without ID)" and have no kind: a run
+# is a re-verification when one of its steps carries a mark only re-verification leaves (its rolled-back steps
+# carry none, so a run that rolled back every stale plugin reads as attempts).
+_V0_KIND = """CASE
+  WHEN plugin = '(final)' THEN 'final'
+  WHEN plugin LIKE '(without %)' THEN 'attribution'
+  WHEN run_id IN (SELECT id FROM main.runs WHERE command = 'rollback') THEN 'rollback'
+  WHEN run_id IN (SELECT run_id FROM main.steps WHERE reason IN ('reverified', 'files_changed')
+                  OR (outcome = 'measured' AND plugin NOT LIKE '(%')
+                  OR (outcome = 'skipped' AND reason = 'not_separable')) THEN 'reverify'
+  ELSE 'attempt' END"""
+_V0_PLUGIN = "CASE WHEN plugin LIKE '(without %)' THEN substr(plugin, 10, length(plugin) - 10) ELSE plugin END"
+
+
+def _v1_step_kinds(conn: sqlite3.Connection) -> None:
+    conn.execute("ALTER TABLE steps ADD COLUMN kind TEXT NOT NULL DEFAULT 'attempt'")
+    conn.execute(f"UPDATE steps SET kind = {_V0_KIND}")
+    conn.execute(f"UPDATE steps SET plugin = {_V0_PLUGIN} WHERE kind = 'attribution'")
+
+
+def _v2_control(conn: sqlite3.Connection) -> None:
+    conn.execute("ALTER TABLE steps ADD COLUMN control TEXT")
+
+
+MIGRATIONS = [_v1_step_kinds, _v2_control]  # MIGRATIONS[v] takes a database from schema version v to v + 1
+VERSION = len(MIGRATIONS)
+# Step columns added since version 0, as a reader shows them in an older database.
+_ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
+
+
+def label(step: dict) -> str:
+    """A step's name for people and for its probes (ORCHESTRATOR_PLUGIN): the plugin, "(final)", "(without ID)"."""
+    return f"(without {step['plugin']})" if step["kind"] == "attribution" else step["plugin"]
+
+
 def dumps(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, default=str)
 
@@ -57,24 +105,29 @@ def loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
-class Store:
-    """Every write commits before returning, so the database always reflects what has happened."""
+class Reader:
+    """The history, read only: `status` and `report` use it while a run may be writing (WAL readers never block).
+    Plain sqlite3, so reading imports none of the write machinery."""
 
-    def __init__(self, path: Path, readonly: bool = False):
+    def __init__(self, path: Path):
         self.path = Path(path)
-        if readonly:  # `status` while a run writes: plain sqlite3, no write machinery to import
-            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.conn = sqlite3.connect(str(self.path))
+        self.conn = self._connect()
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA busy_timeout=10000")
-        if not readonly:
-            import sqlite_utils
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            self.conn.executescript(SCHEMA)
-            self.db = sqlite_utils.Database(self.conn, execute_plugins=False)
+        self._as_current()
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+
+    def _as_current(self) -> None:
+        """Show an older database as the current schema: a temporary view named like the table hides it."""
+        columns = [r["name"] for r in self.conn.execute("PRAGMA main.table_info(steps)")]
+        missing = [c for c in _ADDED_STEP_COLUMNS if c not in columns]
+        if not columns or not missing:
+            return
+        shown = [f"{_V0_PLUGIN} AS plugin" if c == "plugin" and "kind" in missing else c for c in columns]
+        shown += [f"{_ADDED_STEP_COLUMNS[c]} AS {c}" for c in missing]
+        self.conn.execute(f"CREATE TEMP VIEW steps AS SELECT {', '.join(shown)} FROM main.steps")
 
     def close(self) -> None:
         self.conn.close()
@@ -83,16 +136,6 @@ class Store:
         return [dict(r) for r in self.conn.execute(sql, list(params))]
 
     # runs
-    def start_run(self, command: str, config: str | None, target_kind: str | None) -> int:
-        return self.db["runs"].insert(dict(command=command, status="running", pid=os.getpid(), config=config,
-                                           target_kind=target_kind, started=time.time())).last_pk
-
-    def update_run(self, run_id: int, **fields: Any) -> None:
-        self.db["runs"].update(run_id, fields)
-
-    def finish_run(self, run_id: int, status: str, detail: str | None = None) -> None:
-        self.update_run(run_id, status=status, finished=time.time(), detail=detail)
-
     def run(self, run_id: int | None = None, command: str | None = "run") -> dict | None:
         if run_id is not None:
             rows = self.query("SELECT * FROM runs WHERE id = ?", [run_id])
@@ -108,25 +151,14 @@ class Store:
             "SUM(s.outcome = 'skipped') AS skipped FROM runs r LEFT JOIN steps s ON s.run_id = r.id "
             "GROUP BY r.id ORDER BY r.id")
 
+    def runs_before(self, run_id: int, command: str) -> list[dict]:
+        """Earlier runs of a command, newest first."""
+        return self.query("SELECT * FROM runs WHERE id < ? AND command = ? ORDER BY id DESC", [run_id, command])
+
     def open_runs(self) -> list[dict]:
         return self.query("SELECT * FROM runs WHERE status = 'running' ORDER BY id")
 
     # steps
-    def new_step(self, run_id: int, plugin: str, state: str, params: dict | None = None, **fields: Any) -> int:
-        seq = self.conn.execute("SELECT COUNT(*) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
-        return self.db["steps"].insert(dict(run_id=run_id, seq=seq, plugin=plugin, params=dumps(params or None),
-                                            state=state, started=time.time(), **fields)).last_pk
-
-    def set_step(self, step_id: int, **fields: Any) -> None:
-        self.db["steps"].update(step_id, fields)
-
-    def finish_step(self, step_id: int, outcome: str, reason: str | None, detail: str | None = None,
-                    **fields: Any) -> None:
-        started = self.step(step_id)["started"] or time.time()
-        now = time.time()
-        self.set_step(step_id, state="done", outcome=outcome, reason=reason, detail=detail, finished=now,
-                      duration=now - started, **fields)
-
     def step(self, step_id: int) -> dict:
         return self.query("SELECT * FROM steps WHERE id = ?", [step_id])[0]
 
@@ -140,16 +172,6 @@ class Store:
     def file_rows(self, step_id: int) -> list[dict]:
         return self.query("SELECT * FROM files WHERE step_id = ? ORDER BY id", [step_id])
 
-    def add_files(self, rows: list[dict]) -> None:
-        """File rows whose images are already blobs: the switch steps of re-measurements build them from kept steps."""
-        if rows:
-            self.db["files"].insert_all(rows)
-
-    def swap_images(self, step_id: int) -> None:
-        """Exchange each file row's before and after images; call inside `db.atomic()`."""
-        self.db.execute("UPDATE files SET before = after, before_mode = after_mode, after = before, "
-                        "after_mode = before_mode WHERE step_id = ?", [step_id])
-
     def tree_rows(self, step_id: int) -> list[dict]:
         return self.query("SELECT * FROM trees WHERE step_id = ? ORDER BY id", [step_id])
 
@@ -157,21 +179,7 @@ class Store:
     def deployed(self) -> dict[str, dict]:
         return {r["plugin"]: r for r in self.query("SELECT * FROM deployed ORDER BY kept_at, step_id")}
 
-    def deploy(self, plugin: str, step_id: int, params: dict | None, kept_at: float | None = None) -> None:
-        """`kept_at` keeps a re-judged plugin at its place in the deployment order (rollback goes newest first)."""
-        self.db["deployed"].upsert(dict(plugin=plugin, step_id=step_id, kept_at=kept_at or time.time(),
-                                        params=dumps(params or None)), pk="plugin")
-
-    def undeploy(self, plugin: str) -> None:
-        """Call inside `db.atomic()`, together with the step that records the undo."""
-        self.db.execute("DELETE FROM deployed WHERE plugin = ?", [plugin])
-
-    # measurements, decisions, events, processes
-    def add_measurement(self, **row: Any) -> None:
-        row["metrics"] = dumps(row.get("metrics"))
-        row["fingerprint"] = dumps(row.get("fingerprint"))
-        self.db["measurements"].insert(dict(at=time.time(), **row))
-
+    # measurements, decisions, processes
     def measurements(self, step_id: int | None, run_id: int) -> list[dict]:
         if step_id is None:
             return self.query("SELECT * FROM measurements WHERE run_id = ? AND step_id IS NULL ORDER BY id",
@@ -184,14 +192,6 @@ class Store:
                           "AND fingerprint IS NOT NULL ORDER BY id DESC LIMIT 1", [step_id])
         return loads(rows[0]["fingerprint"]) if rows else None
 
-    def add_decision(self, run_id: int, step_id: int, objective: str, decision: dict, vetoes: list[str],
-                     policy: dict) -> None:
-        fields = {k: decision.get(k) for k in ("verdict", "gain", "ci_low", "ci_high", "n_baseline", "n_candidate",
-                                                "baseline_median", "candidate_median", "rule")}
-        self.db["decisions"].insert(dict(run_id=run_id, step_id=step_id, objective=objective, **fields,
-                                         vetoes=dumps(vetoes), policy=dumps(policy), decision=dumps(decision),
-                                         at=time.time()))
-
     def decisions_for(self, step_ids: Iterable[int]) -> dict[int, dict]:
         ids = list(step_ids)
         if not ids:
@@ -200,16 +200,130 @@ class Store:
         return {r["step_id"]: r for r in self.query(
             f"SELECT * FROM decisions WHERE step_id IN ({marks}) ORDER BY id", ids)}
 
+    def open_processes(self) -> list[dict]:
+        return self.query("SELECT * FROM processes WHERE ended IS NULL ORDER BY id")
+
+
+class Store(Reader):
+    """The history, written. Every write commits before returning, except inside `transaction()`, where the
+    writes of the block commit together or not at all; so the database always reflects what has happened."""
+
+    def __init__(self, path: Path):
+        import sqlite_utils
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(path)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self._db = sqlite_utils.Database(self.conn, execute_plugins=False)
+        self._migrate()
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(str(self.path))
+
+    def _as_current(self) -> None:
+        """A writer migrates instead (`_migrate`)."""
+
+    def _migrate(self) -> None:
+        """Create the tables, or bring an older database up to VERSION in one transaction; refuse a newer one."""
+        fresh = not self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'steps'").fetchone()
+        version = VERSION if fresh else self.conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > VERSION:
+            raise UserError(f"{self.path}: written by a newer release of the orchestrator (schema version "
+                            f"{version}; this one knows up to {VERSION})")
+        if version == VERSION and not fresh:
+            return
+        with self.transaction():
+            for migration in MIGRATIONS[version:]:
+                migration(self.conn)
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self.conn.execute(statement)
+            self.conn.execute(f"PRAGMA user_version = {VERSION}")
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Group writes: they commit together when the block ends, or none of them if it raises (nestable)."""
+        with self._db.atomic():
+            yield
+
+    # runs
+    def start_run(self, command: str, config: str | None, target_kind: str | None) -> int:
+        return self._db["runs"].insert(dict(command=command, status="running", pid=os.getpid(), config=config,
+                                            target_kind=target_kind, started=time.time())).last_pk
+
+    def update_run(self, run_id: int, **fields: Any) -> None:
+        self._db["runs"].update(run_id, fields)
+
+    def finish_run(self, run_id: int, status: str, detail: str | None = None) -> None:
+        self.update_run(run_id, status=status, finished=time.time(), detail=detail)
+
+    # steps
+    def new_step(self, run_id: int, plugin: str, state: str, params: dict | None = None, kind: str = "attempt",
+                 **fields: Any) -> int:
+        assert kind in STEP_KINDS, kind
+        seq = self.conn.execute("SELECT COUNT(*) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
+        return self._db["steps"].insert(dict(run_id=run_id, seq=seq, plugin=plugin, params=dumps(params or None),
+                                             state=state, kind=kind, started=time.time(), **fields)).last_pk
+
+    def set_step(self, step_id: int, **fields: Any) -> None:
+        self._db["steps"].update(step_id, fields)
+
+    def finish_step(self, step_id: int, outcome: str, reason: str | None, detail: str | None = None,
+                    **fields: Any) -> None:
+        started = self.step(step_id)["started"] or time.time()
+        now = time.time()
+        self.set_step(step_id, state="done", outcome=outcome, reason=reason, detail=detail, finished=now,
+                      duration=now - started, **fields)
+
+    # files and trees
+    def add_files(self, rows: list[dict]) -> None:
+        """File rows: pre-images recorded before a step touches anything, or (switch steps) images already stored."""
+        if rows:
+            self._db["files"].insert_all(rows)
+
+    def set_file(self, file_id: int, **fields: Any) -> None:
+        self._db["files"].update(file_id, fields)
+
+    def add_tree(self, step_id: int, root: str, root_path: str, manifest: str) -> None:
+        self._db["trees"].insert(dict(step_id=step_id, root=root, root_path=root_path, manifest=manifest))
+
+    def swap_images(self, step_id: int) -> None:
+        """Exchange each file row's before and after images."""
+        with self.transaction():
+            self.conn.execute("UPDATE files SET before = after, before_mode = after_mode, after = before, "
+                              "after_mode = before_mode WHERE step_id = ?", [step_id])
+
+    # deployment
+    def deploy(self, plugin: str, step_id: int, params: dict | None, kept_at: float | None = None) -> None:
+        """`kept_at` keeps a re-judged plugin at its place in the deployment order (rollback goes newest first)."""
+        self._db["deployed"].upsert(dict(plugin=plugin, step_id=step_id, kept_at=kept_at or time.time(),
+                                         params=dumps(params or None)), pk="plugin")
+
+    def undeploy(self, plugin: str) -> None:
+        with self.transaction():
+            self.conn.execute("DELETE FROM deployed WHERE plugin = ?", [plugin])
+
+    # measurements, decisions, events, processes
+    def add_measurement(self, **row: Any) -> None:
+        row["metrics"] = dumps(row.get("metrics"))
+        row["fingerprint"] = dumps(row.get("fingerprint"))
+        self._db["measurements"].insert(dict(at=time.time(), **row))
+
+    def add_decision(self, run_id: int, step_id: int, objective: str, decision: dict, vetoes: list[str],
+                     policy: dict) -> None:
+        fields = {k: decision.get(k) for k in ("verdict", "gain", "ci_low", "ci_high", "n_baseline", "n_candidate",
+                                                "baseline_median", "candidate_median", "rule")}
+        self._db["decisions"].insert(dict(run_id=run_id, step_id=step_id, objective=objective, **fields,
+                                          vetoes=dumps(vetoes), policy=dumps(policy), decision=dumps(decision),
+                                          at=time.time()))
+
     def event(self, run_id: int | None, kind: str, message: str, step_id: int | None = None) -> None:
-        self.db["events"].insert(dict(run_id=run_id, step_id=step_id, at=time.time(), kind=kind, message=message))
+        self._db["events"].insert(dict(run_id=run_id, step_id=step_id, at=time.time(), kind=kind, message=message))
 
     def add_process(self, run_id: int | None, step_id: int | None, what: str, pid: int, pgid: int,
                     create_time: float) -> int:
-        return self.db["processes"].insert(dict(run_id=run_id, step_id=step_id, what=what, pid=pid, pgid=pgid,
-                                                create_time=create_time, started=time.time())).last_pk
+        return self._db["processes"].insert(dict(run_id=run_id, step_id=step_id, what=what, pid=pid, pgid=pgid,
+                                                 create_time=create_time, started=time.time())).last_pk
 
     def end_process(self, proc_id: int) -> None:
-        self.db["processes"].update(proc_id, {"ended": time.time()})
-
-    def open_processes(self) -> list[dict]:
-        return self.query("SELECT * FROM processes WHERE ended IS NULL ORDER BY id")
+        self._db["processes"].update(proc_id, {"ended": time.time()})

@@ -1,8 +1,7 @@
-"""A Qwen3-MoE / Qwen3.6-shaped decoder: GQA attention with per-head q/k RMSNorm, partial rotary
-embedding and a sigmoid output gate, then the sparse MoE with its shared expert.
-
-Every layer is full attention: Qwen3.6 interleaves Gated DeltaNet (linear attention) layers,
-which this reference engine does not implement.
+"""A Qwen3-MoE / Qwen3.6-shaped decoder. Each layer mixes tokens with either GQA attention (per-head
+q/k RMSNorm, partial rotary embedding, a sigmoid output gate) or a Gated DeltaNet layer, as the
+model config's ``layer_types`` say (Qwen3.6: three Gated DeltaNet layers, then one attention layer),
+then runs the sparse MoE with its shared expert.
 """
 from __future__ import annotations
 
@@ -13,10 +12,11 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.kernel_choice import Kernels
 from engine.layers.attention import PagedAttention
+from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.layernorm import RMSNorm
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.model_config import ModelConfig
+from engine.model_config import LINEAR_ATTENTION, ModelConfig
 
 
 class Attention(nn.Module):
@@ -52,10 +52,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, kind: str):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = Attention(cfg, kernels)
+        if kind == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(cfg, kernels)
+        else:
+            self.self_attn = Attention(cfg, kernels)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size,
                                   cfg.shared_expert_intermediate_size, cfg.norm_topk_prob, kernels)
@@ -67,20 +70,24 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_norm(x), x
         else:
             h, residual = self.input_norm(x, residual)
-        h, residual = self.post_attention_norm(self.self_attn(rope, h, meta), residual)
+        if hasattr(self, "linear_attn"):
+            h = self.linear_attn(h, meta)
+        else:
+            h = self.self_attn(rope, h, meta)
+        h, residual = self.post_attention_norm(h, residual)
         return self.mlp(h), residual
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    # everything a decode step reads is in the static buffers of engine/cuda_graphs.py (ids, positions,
-    # slots, lengths, block tables), so its steps can be captured as CUDA graphs
-    static_decode = True
-
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         self.config = cfg
+        # everything an attention-only model's decode step reads is in the static buffers of
+        # engine/cuda_graphs.py (ids, positions, slots, lengths, block tables), so its steps can be
+        # captured as CUDA graphs; Gated DeltaNet state slots are not among them yet
+        self.static_decode = not cfg.is_hybrid
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, kind) for kind in cfg.layer_kinds)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -109,7 +116,8 @@ class Qwen3MoeForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, lm_head_scale: float = 8.0) -> None:
         """Random weights from ``seed``: unit-variance activations through every projection, norms
-        at one, and a sharpened LM head so that greedy choices are rarely near-ties."""
+        at one, and a sharpened LM head so that greedy choices are rarely near-ties; Gated DeltaNet
+        decays spread from fast to slow (``GatedDeltaNet.init_gates``)."""
         gen = torch.Generator(device=self.embed_tokens.device)
         gen.manual_seed(seed)
         for name, p in self._init_tensors():
@@ -122,3 +130,6 @@ class Qwen3MoeForCausalLM(nn.Module):
             elif name == "lm_head":
                 std *= lm_head_scale
             p.normal_(0.0, std, generator=gen)
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.init_gates(gen)

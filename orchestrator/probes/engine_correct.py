@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine.config import KERNEL_KEYS, ConfigError, EngineConfig, load_config
 from engine.llm import LLM
+from orchestrator.probes.agreement import compare
 
 FORMAT = 1
 # Short prompts decode on attention-decode; long ones cross v2's 512-token partitions and the
@@ -103,15 +104,6 @@ def load_reference(path: Path) -> dict:
         raise ProbeFailure(f"{path}: field 'outputs' holds {len(data['outputs'])} completions "
                            f"for {len(data['prompts'])} prompts")
     return data
-
-
-def compare(expected: list[list[int]], got: list[list[int]], early_tokens: int) -> dict:
-    first = [next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), min(len(e), len(g)))
-             if e != g else len(e) for e, g in zip(expected, got)]
-    same = sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g))
-    return {"exact": expected == got, "first_divergence": first,
-            "identical_token_fraction": same / max(1, sum(map(len, expected))),
-            "early_divergence_fraction": sum(f < early_tokens for f in first) / len(first)}
 
 
 def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:

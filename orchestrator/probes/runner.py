@@ -22,6 +22,9 @@ TAIL = 4000  # characters of stdout and stderr kept with a measurement
 RESULT_SCAN = 8 << 20  # bytes at the end of stdout searched for the result line
 MAX_DEPTH = 64  # nesting a result line may have; deeper is refused, not parsed into a crash later
 MAX_DIGITS = 300  # digits an integer in a result line may have: any such integer fits a float
+# What a failing probe may report as its JSON "reason": a server it started that never became healthy
+# (timeout) or exited (crashed) is judged like a probe that ran out of time or died.
+REPORTED_REASONS = ("timeout", "crashed")
 
 
 class UnreadableResult(ValueError):
@@ -252,7 +255,10 @@ def judge_output(role: str, objective: str | None, result: ProcessResult, timeou
     failed = "incorrect" if role == "correctness" else "probe_failed"
     if result.returncode != 0:
         said = metrics.get("message") or metrics.get("error")
-        return ProbeResult(False, failed, f"exited with status {result.returncode}" + (f": {said}" if said else ""),
+        # a probe that waited on something (a server starting) may say why it gave up
+        reported = metrics.get("reason")
+        return ProbeResult(False, reported if reported in REPORTED_REASONS else failed,
+                           f"exited with status {result.returncode}" + (f": {said}" if said else ""),
                            metrics, process=result)
     if result.result is None:
         note = result.result_missing or "no JSON result line"

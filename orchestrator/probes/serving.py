@@ -4,25 +4,22 @@ against it and prints `vllm bench serve`'s result fields plus the deployment's w
     python -m orchestrator.probes.serving [--server-cmd CMD | --base-url URL | --import-result FILE]
 
 Without ``--server-cmd`` or ``--base-url`` it serves ``$ORCHESTRATOR_TARGET_ROOT/serve.yaml`` with
-``python -m engine.server``. The server runs in its own process group and that group is
-always stopped, on success, on error and on SIGTERM. The last stdout line is one JSON object
-(probe protocol); a failure exits 1 with a JSON object holding ``error``.
+``python -m engine.server``. The server runs in its own process group (``live_server.LiveServer``)
+and that group is always stopped, on success, on error and on SIGTERM. The last stdout line is one
+JSON object (probe protocol); a failure exits 1 with a JSON object holding ``error``, and a server
+that never became healthy adds ``"reason": "timeout"`` (one that exited first: ``"crashed"``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import math
 import os
 import random
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,152 +27,16 @@ from typing import Callable
 
 import httpx
 import numpy as np
-import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, group_cpu_seconds, on_sigterm,
+                                             server_label, wait_healthy)
 
 DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input tokens/s
 
 
 class ProbeError(Exception):
     """A failure reported as the probe's JSON ``error``."""
-
-
-class Terminated(BaseException):
-    """SIGTERM: unwinds through every ``finally`` so the server is stopped."""
-
-
-def _on_sigterm(_signum, _frame):
-    raise Terminated()
-
-
-# ---------------------------------------------------------------- the server process
-
-
-def _die_with_parent() -> None:
-    """Runs in the server child: the kernel sends it SIGTERM if the probe is SIGKILLed, because
-    the server's own session puts it out of reach of a kill aimed at the probe's group."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """A server command in its own process group, its output kept in a log file."""
-
-    def __init__(self, argv: list[str], stop_timeout: float = 15.0):
-        self.argv, self.stop_timeout = argv, stop_timeout
-        self.log = tempfile.NamedTemporaryFile(prefix="serving-probe-", suffix=".log", delete=False)
-        self.spawned = time.monotonic()
-        try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
-        except OSError as exc:
-            self.log.close()
-            os.unlink(self.log.name)
-            raise ProbeError(f"cannot start server command {shlex.join(argv)}: {exc}") from None
-        self.pgid = self.proc.pid
-        self.leftover: list[int] = []
-        print(f"serving probe: started {shlex.join(argv)} as pid {self.pgid} (its own process group)",
-              file=sys.stderr, flush=True)
-
-    def tail(self, limit: int = 2000) -> str:
-        text = Path(self.log.name).read_text(errors="replace")
-        return text[-limit:]
-
-    def age(self) -> float:
-        """Seconds since the server command was started."""
-        return time.monotonic() - self.spawned
-
-    def exited(self) -> int | None:
-        return self.proc.poll()
-
-    def stop(self) -> None:
-        """SIGTERM to the group, SIGKILL after ``stop_timeout``, then wait until no member is left."""
-        if self.log.closed:
-            return
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
-        try:
-            self._stop()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    def _stop(self) -> None:
-        watched = {self.pgid, *self.members()}
-        for sig, wait in ((signal.SIGTERM, self.stop_timeout), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if not self.members():
-                break
-        deadline = time.monotonic() + 10
-        while self.members() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.leftover = self.members()
-        if self.leftover:
-            print(f"serving probe: server processes {self.leftover} outlived SIGKILL", file=sys.stderr)
-        else:  # return only once the next server (or engine) can have the card's memory
-            from engine.gpu_memory import wait_released
-
-            if held := wait_released(watched, 30.0):
-                print(f"serving probe: processes {sorted(held)} still hold GPU memory 30 s after exiting",
-                      file=sys.stderr)
-        self.log.close()
-        os.unlink(self.log.name)
-
-    def cpu_seconds(self) -> float | None:
-        """User plus system CPU time of every live process in the server's group so far; None
-        once the server is gone. On a shared machine this counts only the time the server really
-        ran, which other processes' load does not stretch as it stretches wall time."""
-        if self.exited() is not None:
-            return None
-        total = 0.0
-        for pid in self.members():
-            try:
-                t = psutil.Process(pid).cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-        return total
-
-    def members(self) -> list[int]:
-        pids = []
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == self.pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                    pids.append(proc.pid)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        return pids
-
-
-async def wait_healthy(base_url: str, timeout: float, server: ServerProcess | None) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        while True:
-            if server is not None and (code := server.exited()) is not None:
-                raise ProbeError(f"server exited with code {code} before becoming healthy; "
-                                 f"its last output:\n{server.tail()}")
-            try:
-                if (await client.get(f"{base_url}/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                tail = f"; its last output:\n{server.tail()}" if server else ""
-                raise ProbeError(f"server at {base_url} did not answer /health with 200 "
-                                 f"within {timeout:g} s{tail}")
-            await asyncio.sleep(0.2)
 
 
 # ---------------------------------------------------------------- the workload
@@ -428,8 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m orchestrator.probes.serving",
                                 description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--server-cmd", help="server command line; {port} and {host} are filled in "
-                     "(e.g. 'vllm serve MODEL --port {port}')")
+    src.add_argument("--server-cmd", help="server command line; the literal {port} and {host} are filled "
+                     "in (e.g. 'vllm serve MODEL --port {port}')")
     src.add_argument("--base-url", help="an already running server, e.g. http://127.0.0.1:8000")
     src.add_argument("--import-result", type=Path, metavar="FILE",
                      help="score a `vllm bench serve --save-result` JSON instead of generating load")
@@ -438,10 +299,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--health-timeout", type=float, default=300.0)
+    p.add_argument("--health-timeout", "--startup-timeout", type=float, default=300.0,
+                   help="seconds the server may take to answer /health with 200")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="seconds between SIGTERM and SIGKILL when stopping the server")
+    p.add_argument("--server-pid", type=int, help="with --base-url: the server's pid (its process group), "
+                   "whose CPU time gives cpu_score")
+    p.add_argument("--server-log-dir", type=Path,
+                   help="keep the server's log in this folder (default: a temporary file, removed)")
     w = Workload()
     p.add_argument("--num-prompts", type=int, default=w.num_prompts)
     p.add_argument("--input-len", type=int, default=w.input_len)
@@ -485,10 +351,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def server_argv(args: argparse.Namespace) -> list[str]:
+    """The server's argv, ``{host}`` and ``{port}`` left for LiveServer to fill in."""
     if args.server_cmd:
         if "{port}" not in args.server_cmd and not args.port:
             raise ProbeError("--server-cmd must contain {port}, or give --port")
-        return [part.format(port=args.port, host=args.host) for part in shlex.split(args.server_cmd)]
+        return shlex.split(args.server_cmd)
     config = args.serve_config
     if config is None:
         root = os.environ.get("ORCHESTRATOR_TARGET_ROOT")
@@ -498,7 +365,7 @@ def server_argv(args: argparse.Namespace) -> list[str]:
         config = str(Path(root) / "serve.yaml")
     from orchestrator.targets.engine import server_argv as engine_server_argv
 
-    return engine_server_argv(config, args.host, args.port)
+    return engine_server_argv(config, "{host}", "{port}")
 
 
 async def warm_up(base_url: str, model: str, workload: Workload, request_timeout: float) -> float:
@@ -515,11 +382,12 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
 
 
 async def measure_window(base_url: str, model: str, workload: Workload, args: argparse.Namespace,
-                         server: ServerProcess | None) -> dict:
+                         server: LiveServer | None) -> dict:
     """One measured pass of ``workload``: `vllm bench serve`'s fields, the score, CPU figures."""
     hits_before = await prefix_cache_hits(base_url)
+    clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
     outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout,
-                                          server.cpu_seconds if server is not None else lambda: None)
+                                          clock.cpu_seconds if clock is not None else lambda: None)
     ok = [o for o in outcomes if o.success]
     if ok and all(o.cached_tokens is not None for o in ok):
         cached, source = sum(o.cached_tokens for o in ok), "usage"
@@ -542,11 +410,20 @@ WINDOW_FIELDS = ("seed", "duration", "completed", "failed", "output_throughput",
                  "cpu_score")
 
 
-async def benchmark(base_url: str, args: argparse.Namespace, server: ServerProcess | None) -> dict:
-    """``--windows`` passes of the workload on one server, each from its own prompts (its own
+class RunningServer:
+    """A server this probe did not start (``--base-url``), known by its pid: its CPU clock only."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def cpu_seconds(self) -> float | None:
+        return group_cpu_seconds(self.pid)
+
+
+async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer | None) -> dict:
+    """``--windows`` passes of the workload on one healthy server, each from its own prompts (its own
     seed), reported as the best by ``--best-of``: interference from other processes on a shared
     machine only ever slows a pass down, so the fastest one is the least disturbed."""
-    await wait_healthy(base_url, args.health_timeout, server)
     ready = server.age() if server is not None else None
     model = args.model or await served_model(base_url)
     workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
@@ -578,23 +455,29 @@ def run(args: argparse.Namespace) -> dict:
     if args.import_result:
         return import_result(args.import_result, weights)
     if args.base_url:
-        return asyncio.run(benchmark(args.base_url.rstrip("/"), args, None))
-    if not args.port:
-        args.port = free_port()
-    server = ServerProcess(server_argv(args), args.stop_timeout)
+        base_url = args.base_url.rstrip("/")
+        wait_healthy(base_url, args.health_timeout)
+        return asyncio.run(benchmark(base_url, args, None))
+    server = LiveServer(server_argv(args), host=args.host, port=args.port or None, stop_timeout=args.stop_timeout,
+                        log_dir=args.server_log_dir, log_label=server_label("serving"))
     try:
-        result = asyncio.run(benchmark(f"http://{args.host}:{args.port}", args, server))
+        server.start()
+        server.wait_healthy(args.health_timeout)
+        result = asyncio.run(benchmark(server.url, args, server))
         if "server_exit_code" in result:
             result["server_output"] = server.tail()
-        return result
     except ProbeError as exc:
         code = server.exited()
-        if code is None or "exited with code" in str(exc):
+        if code is None:
             raise
         raise ProbeError(f"{exc}; the server exited with code {code}; its last output:\n"
                          f"{server.tail()}") from None
     finally:
         server.stop()
+    result["server_stopped_by"] = server.stopped_by
+    if server.log_dir is not None:
+        result["server_log"] = str(server.log_path)
+    return result
 
 
 def failure(result: dict, max_failed_fraction: float) -> str | None:
@@ -609,11 +492,15 @@ def failure(result: dict, max_failed_fraction: float) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         result = run(args)
     except ProbeError as exc:
         print(json.dumps({"error": str(exc)}))
+        return 1
+    except ServerFailed as exc:  # "reason" lets the staging loop tell a start-up timeout from a crash
+        print(f"serving probe: {exc.reason}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(json.dumps({"error": str(exc), "reason": exc.reason}))
         return 1
     except Terminated:
         print(json.dumps({"error": "terminated by SIGTERM; the server was stopped"}))

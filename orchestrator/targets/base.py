@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from orchestrator.probes.live_server import LiveServer
 
 
 class TargetConfig(BaseModel):
@@ -43,6 +46,15 @@ class Target:
     def default_probes(self) -> list[dict[str, Any]]:
         """Probe specs (as in orchestrator.yaml) used when the config lists none."""
         return []
+
+    def live_server(self, env: dict[str, str] | None = None, label: str = "server") -> "LiveServer | None":
+        """An unstarted server of the target's current state that several default probes can share
+        (see ``probes_against``); None when the default probes start nothing shareable."""
+        return None
+
+    def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
+        """The default probes aimed at a server already running at ``base_url`` (``server_pid``: its pid)."""
+        return self.default_probes()
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()

@@ -25,9 +25,11 @@ def shipped_baseline() -> Path:
     return Path(str(importlib.resources.files("engine").joinpath("configs", "baseline.yaml")))
 
 
-def server_argv(config: str, host: str, port: int) -> list[str]:
+def server_argv(config: str, host: str, port: int | str) -> list[str]:
     """The engine's OpenAI-compatible server serving ``config``."""
     return [sys.executable, "-m", SERVER_MODULE, "--config", config, "--host", host, "--port", str(port)]
+
+
 
 SERVE_CONFIG = "serve.yaml"
 
@@ -62,7 +64,7 @@ class EngineTargetConfig(TargetConfig):
     kind: Literal["engine"] = "engine"
     workspace: str | None = None  # default: <state>/engine
     baseline: str | None = None  # serve config the workspace starts from; default: the shipped baseline
-    model: str | None = None  # a preset (tiny, small, qwen3.6-35b-a3b) or a config.json path
+    model: str | None = None  # a preset (engine.model_config.PRESETS) or a config.json path
     num_layers: int | None = Field(None, ge=1)
     device: str | None = None
     dtype: str | None = None

@@ -15,10 +15,22 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from orchestrator.loading import ConfigError
+from orchestrator.probes.live_server import LiveServer
 from orchestrator.targets.base import Target, TargetConfig
+from orchestrator.targets.engine import Workload
+
+
+class VllmWorkload(Workload):
+    """The serving benchmark's load against vLLM: sized for a GPU (a minute or less per sample at the
+    seed's baseline of one sequence at a time on one H200)."""
+
+    num_prompts: int = Field(64, ge=1)
+    input_len: int = Field(1000, ge=1)
+    output_len: int = Field(100, ge=1)
+    max_concurrency: int = Field(64, ge=1)
 
 
 class VllmConfig(TargetConfig):
@@ -27,8 +39,27 @@ class VllmConfig(TargetConfig):
     serve_config: str = "serve.yaml"  # a `vllm serve --config` YAML with long option names
     env: dict[str, str] = Field(default_factory=dict)  # e.g. VLLM_USE_V1: "0" for the V0 code paths
     model: str | None = None  # overrides the config's `model:` on the `vllm serve` command line
-    server_timeout: int = Field(1800, ge=1)  # seconds for start-up plus the benchmark
-    check_timeout: int = Field(600, ge=1)  # seconds for the project's kernel check
+    serve_command: list[str] = Field(default_factory=lambda: ["vllm", "serve"], min_length=1)
+    serve_args: list[str] = Field(default_factory=list)  # after --config/--host/--port, e.g. [--load-format, dummy]
+    served_model_name: str | None = None  # passed as --served-model-name and requested by the probes
+    startup_timeout: float = Field(900, gt=0)  # seconds until GET /health answers 200
+    stop_timeout: float = Field(30, gt=0)  # seconds between SIGTERM and SIGKILL of the server's group
+    server_timeout: int = Field(1800, ge=1)  # seconds for the serving benchmark once the server is up
+    check_timeout: int = Field(600, ge=1)  # seconds for the greedy completions and the kernel check
+    correctness: Literal["auto", "exact", "agreement"] = "auto"  # auto: agreement where numerics change
+    # the serving probe's number to maximise: score (weighted tokens per wall second), or cpu_score (per second
+    # of the server's own CPU time, which other processes on a shared CPU machine do not stretch)
+    objective: Literal["score", "cpu_score", "output_throughput"] = "score"
+    workload: VllmWorkload = Field(default_factory=VllmWorkload)
+
+    @field_validator("serve_args")
+    @classmethod
+    def _not_ours(cls, args: list[str]) -> list[str]:
+        """The probes choose the config file, host and port of every server they start."""
+        taken = [a for a in args if a.split("=")[0] in ("--config", "--host", "--port")]
+        if taken:
+            raise ValueError(f"{taken[0].split('=')[0]} is set by the probes; remove it from serve_args")
+        return args
 
 
 def find_package() -> Path:
@@ -88,21 +119,72 @@ class VllmTarget(Target):
             extra["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.package.parent), inherited]))
         return extra
 
-    def server_command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    @property
+    def reference_path(self) -> Path:
+        """The baseline's greedy completions, recorded by the first correctness probe of the baseline."""
+        return self.state_dir / "vllm-reference.json"
+
+    @property
+    def server_logs(self) -> Path:
+        return self.state_dir / "server-logs"
+
+    def serve_argv(self, host: str = "{host}", port: int | str = "{port}") -> list[str]:
+        """``serve_command [model] --config FILE --host H --port P [--served-model-name N] serve_args``;
+        by default with the ``{host}`` and ``{port}`` placeholders LiveServer fills in."""
+        head = list(self.config.serve_command)
+        if head[0] in ("python", "python3"):  # as in probe commands: the orchestrator's own interpreter
+            head[0] = sys.executable
         if self.config.model:
-            cmd.append(self.config.model)
-        return cmd + ["--config", str(self.serve_config), "--host", "{host}", "--port", "{port}"]
+            head.append(self.config.model)
+        argv = head + ["--config", str(self.serve_config), "--host", host, "--port", str(port)]
+        if self.config.served_model_name:
+            argv += ["--served-model-name", self.config.served_model_name]
+        return argv + list(self.config.serve_args)
+
+    def live_server(self, env: dict[str, str] | None = None, label: str = "server") -> LiveServer:
+        """An unstarted server of the serve config as it is on disk now (a free port on 127.0.0.1),
+        with the target's stop grace period and a log kept under the state folder. For a caller
+        that wants one start to serve several probes: ``start()``, ``wait_healthy(startup_timeout)``,
+        then the probes of ``probes_against(server.url)``, then ``stop()``."""
+        return LiveServer(self.serve_argv(), env=env, stop_timeout=self.config.stop_timeout,
+                          log_dir=self.server_logs, log_label=label)
+
+    def _server_source(self, base_url: str | None) -> list[str]:
+        if base_url:
+            return ["--base-url", base_url]
+        return ["--server-cmd", shlex.join(self.serve_argv()), "--stop-timeout", f"{self.config.stop_timeout:g}",
+                "--server-log-dir", str(self.server_logs)]
+
+    def _probes(self, base_url: str | None, server_pid: int | None = None) -> list[dict[str, Any]]:
+        c, w = self.config, self.config.workload
+        startup = f"{c.startup_timeout:g}"
+        model = ["--model", c.served_model_name] if c.served_model_name else []
+        margin = c.startup_timeout + c.stop_timeout + 60  # the probe itself reports a start-up timeout
+        return [
+            {"name": "greedy", "role": "correctness", "timeout": margin + c.check_timeout,
+             "command": ["python", "-m", "orchestrator.probes.greedy", "--reference", str(self.reference_path),
+                         *self._server_source(base_url), "--startup-timeout", startup, "--mode", c.correctness,
+                         *model]},
+            {"name": "serving", "role": "throughput", "timeout": margin + c.server_timeout, "objective": c.objective,
+             "command": ["python", "-m", "orchestrator.probes.serving", *self._server_source(base_url),
+                         *(["--server-pid", str(server_pid)] if base_url and server_pid else []),
+                         "--health-timeout", startup, *model,
+                         "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),
+                         "--output-len", str(w.output_len), "--shared-prefix-fraction", str(w.shared_prefix_fraction),
+                         "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed),
+                         "--windows", str(w.windows), "--best-of", c.objective, *(["--warmup"] if w.warmup else [])]},
+        ]
 
     def default_probes(self) -> list[dict[str, Any]]:
-        return [
-            {"name": "kernels", "role": "correctness", "timeout": self.config.check_timeout,
-             "command": ["python", "-m", "orchestrator.targets.vllm", "check-kernels"]},
-            {"name": "serving", "role": "throughput", "timeout": self.config.server_timeout,
-             "objective": "score",
-             "command": ["python", "-m", "orchestrator.probes.serving",
-                         "--server-cmd", shlex.join(self.server_command())]},
-        ]
+        """Live probes, each starting its own `vllm serve` of the serve config on disk: greedy outputs
+        against the baseline's (plus the kernel check of deployed shims), then the serving benchmark."""
+        return self._probes(None)
+
+    def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
+        """The default probes aimed at a server already running at ``base_url`` (one start serves the
+        correctness probe and the first throughput sample of a state); with the server's pid the
+        serving probe also reports its CPU time (cpu_score)."""
+        return self._probes(base_url, server_pid)
 
 
 def _config_has_model(path: Path) -> bool:

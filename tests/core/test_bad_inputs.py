@@ -77,15 +77,20 @@ def test_params_combinations_have_an_upper_bound(tmp_path):
                       "limit of 64"], commands=(("run",), ("plugins", "validate")))
 
 
-def test_a_missing_probe_executable_fails_the_plugin_not_the_run(tmp_path):
+def test_a_missing_probe_executable_is_an_environment_failure_not_the_plugins(tmp_path):
     project = make_project(tmp_path, plugins=["speedup"])
     config = yaml.safe_load(project.config.read_text())
     config["probes"][0]["command"] = ["no-such-correctness-probe", "--strict"]
     project.config.write_text(yaml.safe_dump(config))
     before = tree(project.target)
     proc = project.cli("run")
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
-    step = project.status()["steps"][0]
-    assert (step["outcome"], step["reason"]) == ("rolled_back", "probe_failed")
+    # the probe fails on the last kept state too (the control check), so the plugin is not blamed: the run stops
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "executable not found: no-such-correctness-probe" in proc.stderr
+    data = project.status()
+    step = data["steps"][0]
+    assert data["run"]["status"] == "failed"
+    assert (step["outcome"], step["reason"]) == ("rolled_back", "environment_failed")
     assert "executable not found: no-such-correctness-probe" in step["detail"]
+    assert step["control"]["passed"] is False
     assert tree(project.target) == before

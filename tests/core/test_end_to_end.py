@@ -37,6 +37,10 @@ def test_every_outcome_and_reason(ran):
     project, _, proc = ran
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert project.outcomes() == EXPECTED
+    # each probe failure was re-checked on the last kept state, which passed it: the candidates' failures stand
+    controls = {s["plugin"]: s["control"] for s in project.status()["steps"] if s["control"]}
+    assert {p: (c["probe"], c["passed"]) for p, c in controls.items()} == {
+        "breaks-answers": ("correct", True), "hangs": ("speed", True), "segfaults": ("speed", True)}
 
 
 def test_kept_changes_are_exactly_on_disk(ran):
@@ -92,8 +96,9 @@ def test_sequential_mode_measures_the_baseline_once(ran):
     db = project.db()
     arms = db.execute("SELECT arm, COUNT(*) FROM measurements m LEFT JOIN steps s ON s.id = m.step_id "
                       "WHERE role = 'throughput' AND (s.plugin IS NULL OR s.plugin != '(final)') GROUP BY arm").fetchall()
-    # two initial baseline samples, reused; two candidate samples per judged plugin, one each for hangs and segfaults
-    assert dict(arms) == {"baseline": 2, "candidate": 2 * 5 + 2}
+    # two initial baseline samples, reused; two candidate samples per judged plugin, one each for hangs and segfaults,
+    # whose failures were each re-checked once on the last kept state
+    assert dict(arms) == {"baseline": 2, "candidate": 2 * 5 + 2, "control": 2}
     decisions = db.execute("SELECT s.plugin FROM decisions d JOIN steps s ON s.id = d.step_id").fetchall()
     # speedup, no-gain, slower, command-step, hook-step, then the kept stack, re-validated in interleaved pairs
     assert sorted(r[0] for r in decisions) == sorted(["speedup", "no-gain", "slower", "command-step", "hook-step",

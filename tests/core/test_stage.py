@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 import yaml
@@ -13,7 +11,8 @@ from orchestrator import decide
 from orchestrator.config import load
 from orchestrator.journal import Journal
 from orchestrator.plugin import load_all
-from orchestrator.stage import Reporter, Stager
+from orchestrator.context import Reporter
+from orchestrator.loop import run
 from orchestrator.store import Store
 
 
@@ -21,13 +20,13 @@ def stage(project, reporter=None):
     proj = load(project.config)
     plugins = load_all(proj.plugins_dir, proj.target.roots, proj.target.vars)
     store = Store(proj.db_path)
-    run_id = Stager(proj, plugins, store, Journal(store, proj.state_dir / "blobs"), reporter).run()
+    run_id = run(proj, plugins, store, Journal(store, proj.state_dir / "blobs"), reporter)
     return store, run_id
 
 
 def outcomes(store, run_id):
-    """Plugin steps only: the re-measurements of the kept stack are named in parentheses."""
-    return [(s["plugin"], s["outcome"], s["reason"]) for s in store.steps(run_id) if not s["plugin"].startswith("(")]
+    """Plugin attempts only, not the re-measurements of the kept stack."""
+    return [(s["plugin"], s["outcome"], s["reason"]) for s in store.steps(run_id) if s["kind"] == "attempt"]
 
 
 class TreeWatcher(Reporter):
@@ -193,9 +192,8 @@ def test_params_stage_every_combination_and_keep_the_best(tmp_path):
 
 
 def test_fingerprint_is_stored_with_each_measurement_when_available(tmp_path, monkeypatch):
-    module = types.ModuleType("orchestrator.fingerprint")
-    module.fingerprint = lambda: {"gpu": "test-gpu", "clock_mhz": 1980}
-    monkeypatch.setitem(sys.modules, "orchestrator.fingerprint", module)
+    from orchestrator import fingerprint
+    monkeypatch.setattr(fingerprint, "fingerprint", lambda: {"gpu": "test-gpu", "clock_mhz": 1980})
     project = make_project(tmp_path / "p", plugins=["speedup"])
     store, _ = stage(project)
     rows = store.query("SELECT fingerprint FROM measurements WHERE role = 'throughput'")

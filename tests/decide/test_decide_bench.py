@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from orchestrator.bench import decisions as bench
+from benchmarks import decisions as bench
 from orchestrator.decide import DEFAULTS
 
 
@@ -39,7 +39,7 @@ def test_cli_writes_tables(tmp_path):
     out = tmp_path / "decisions.md"
     bench.main(["--trials", "20", "--out", str(out)])
     text = out.read_text()
-    assert text.startswith("Command: `python -m orchestrator.bench.decisions --trials 20 --out")
+    assert text.startswith("Command: `python -m benchmarks.decisions --trials 20 --out")
     assert text.count("\n| ") == 1 + len(bench.EFFECTS) * len(bench.NOISES) * 2
 
 

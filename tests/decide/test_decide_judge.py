@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from orchestrator.decide import DEFAULTS, Decision, Judge, first_rule, paired_interval, verdict_for, welch_interval
+from orchestrator.decide import (DEFAULTS, Decision, Judge, first_rule, outcome, paired_interval, verdict_for,
+                                 welch_interval)
 
 
 def policy(**kw):
@@ -198,3 +199,21 @@ def test_no_samples():
     assert Judge(policy()).decide([], [], final=False) is None
     with pytest.raises(ValueError, match="at least one sample"):
         Judge(policy()).decide([100.0], [], final=True)
+
+
+# the keep-or-roll-back rule ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("verdict, on_inconclusive, vetoes, expected", [
+    ("keep", "rollback", [], ("kept", None)),
+    ("keep", "rollback", ["p99_ms: too slow"], ("rolled_back", "guardrail")),
+    ("no_gain", "keep", [], ("rolled_back", "no_gain")),
+    ("regressed", "keep", ["p99_ms: too slow"], ("rolled_back", "regressed")),
+    ("inconclusive", "rollback", [], ("rolled_back", "inconclusive")),
+    ("inconclusive", "keep", [], ("kept", "inconclusive")),
+    ("inconclusive", "keep", ["p99_ms: too slow"], ("rolled_back", "guardrail")),
+])
+def test_outcome_is_the_one_keep_or_roll_back_rule(verdict, on_inconclusive, vetoes, expected):
+    d = Decision(verdict, 0.1)
+    assert outcome(d, vetoes, policy(on_inconclusive=on_inconclusive)) == expected
+    assert Judge(policy(on_inconclusive=on_inconclusive)).keeps(d) == (outcome(d, [], policy(
+        on_inconclusive=on_inconclusive))[0] == "kept")

@@ -39,6 +39,8 @@ def test_a_file_and_a_dict_give_the_same_config(tmp_path):
     ("attention-prefill: flash\n", "attention-prefill", "unknown prefix_prefill variant 'flash'"),
     ("moe-dispatch: [sorted, fused]\n", "moe-dispatch", "unknown moe variant 'fused'"),
     ("attention-decode: []\n", "attention-decode", "names no variant"),
+    ("gdn-decode: [triton_recurrent, fused]\n", "gdn-decode", "unknown gated_delta_rule variant 'fused'"),
+    ("model: tiny-hybrid\nnum-layers: 3\n", "num-layers", "no full-attention layer"),
     ("model: gpt-9\n", "model", "neither a preset"),
     ("num-layers: 0\n", "num-layers", "greater than or equal to 1"),
     ("max-model-len: 100000\n", "max-model-len", "max_position_embeddings"),
@@ -79,8 +81,57 @@ def test_the_qwen_preset_is_described_without_allocating_weights():
         (256, 8, 512, 512)
     assert cfg.vocab_size == 248_320 and cfg.rotary_dim == 64
     assert 34e9 < cfg.num_params() < 36e9  # a 35B model
-    assert cfg.kv_bytes_per_token(2) == 80 * 1024  # the seed's 80 KB per token in bf16
-    assert load_config({"model": "qwen3.6-35b-a3b", "num-layers": 8}).hf.num_layers == 8
+    assert cfg.layer_kinds == ("linear_attention",) * 3 + ("full_attention",) + cfg.layer_kinds[4:]
+    assert (cfg.num_attention_layers, cfg.num_linear_layers) == (10, 30)
+    assert cfg.kv_bytes_per_token(2) == 20 * 1024  # 10 attention layers x K and V x 2 kv heads x 256 x 2 bytes
+    assert cfg.state_bytes_per_sequence(2) == 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)  # about 61 MiB
+    dense = load_config({"model": "qwen3.6-35b-a3b-dense"}).hf
+    assert dense.kv_bytes_per_token(2) == 80 * 1024 and not dense.is_hybrid  # the seed's 80 KB per token
+    eight = load_config({"model": "qwen3.6-35b-a3b", "num-layers": 8}).hf
+    assert eight.num_layers == 8 and eight.layer_kinds == cfg.layer_kinds[:8]
+
+
+# The text model of Qwen3.6-35B-A3B's config.json, as vLLM was served with it (rotary settings
+# under rope_parameters, both layer_types and full_attention_interval present)
+QWEN36_TEXT = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6, "attn_output_gate": True, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+    "num_experts_per_tok": 8, "full_attention_interval": 4,
+    "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(40)],
+    "mamba_ssm_dtype": "float32",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+}
+
+
+def test_the_real_config_json_gives_the_preset(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                                           "text_config": QWEN36_TEXT}))
+    assert load_config(write(tmp_path, "model: m\n")).hf == PRESETS["qwen3.6-35b-a3b"]
+    interval_only = {k: v for k, v in QWEN36_TEXT.items() if k != "layer_types"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(interval_only))
+    assert load_config(write(tmp_path, "model: m\n")).hf.layer_kinds == PRESETS["qwen3.6-35b-a3b"].layer_kinds
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"layer_types": ["linear_attention"] * 39 + ["mamba"]}, "unknown layer type 'mamba'"),
+    ({"layer_types": ["full_attention"] * 3}, "must list 40 layer types"),
+    ({"full_attention_interval": 0, "layer_types": None}, "full_attention_interval must be a positive integer"),
+    ({"linear_num_value_heads": 24}, "linear_num_value_heads 24 is not a multiple"),
+    ({"linear_key_head_dim": None, "linear_num_key_heads": 0}, "linear_num_key_heads is 0"),
+])
+def test_bad_hybrid_model_configs_are_named(tmp_path, change, words):
+    text = {**QWEN36_TEXT, **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in text.items() if v is not None}))
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match=f"model: {path}: .*{words}") as exc:
+        load_config({"model": str(path)})
+    assert exc.value.key == "model" and path.read_bytes() == before
 
 
 def test_a_hugging_face_config_json_relative_to_the_serve_config(tmp_path):
@@ -105,6 +156,7 @@ def test_a_hugging_face_config_json_relative_to_the_serve_config(tmp_path):
 def test_the_shipped_configs_load(name):
     cfg = load_config(CONFIGS / name)
     assert cfg.model == "tiny"
+    assert load_config(CONFIGS / name, {"model": "tiny-hybrid"}).hf.is_hybrid
 
 
 def test_the_baseline_is_the_seed_starting_point():

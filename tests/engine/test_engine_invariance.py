@@ -2,37 +2,15 @@
 variant it runs: every configuration below must reproduce the same tokens, and those tokens
 must be what a plain float64 forward pass of the same weights picks."""
 import pytest
-import torch
 
 import kernels
-from engine_helpers import tiny
+from engine_helpers import invariance_prompts, tiny
 from engine_dense_reference import forward
 from engine import LLM
 
 MAX_TOKENS = 20
 BLOCK = 16
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-
-    def rand(n):
-        return torch.randint(0, 512, (n,), generator=g).tolist()
-
-    shared, other = rand(40), rand(33)
-    return [
-        shared + rand(1),            # 41: the shared prefix crosses two block edges
-        shared + rand(24),           # 64: ends exactly on a block edge
-        rand(3),
-        shared[:32],                 # exactly two full cached blocks: the last token is recomputed
-        shared + rand(7),
-        other + rand(15),            # 48
-        other + rand(1),
-        shared[:17] + rand(50),      # 67
-    ]
-
-
-PROMPTS = _prompts()
+PROMPTS = invariance_prompts()
 
 
 @pytest.fixture(scope="module")

@@ -59,3 +59,18 @@ def test_cli_passes_and_reports_worst_shape():
 def test_cli_unknown_variant_is_a_clear_failure():
     rc, out = _cli("--op", "moe", "--variant", "nope")
     assert rc == 2 and out["passed"] is False and "nope" in out["error"]
+
+
+def test_gdn_report_smoke_run_on_the_cpu(tmp_path):
+    """The GPU report's code paths on small shapes (torch variants: the Triton ones are covered above)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "kernels.gdn_report", "--device", "cpu", "--small", "--quick",
+                        "--variants", "recurrent,chunk"], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    assert last["passed"] == {"recurrent": True, "chunk": True}
+    assert "### Decode step of one layer" in p.stdout and "### Prefill of one layer" in p.stdout
+    rows = json.loads((tmp_path / "gdn_report.json").read_text())["rows"]
+    assert {r["table"] for r in rows} == {"correctness", "decode", "prefill"}
+    assert all(r["ms"] > 0 for r in rows if r["table"] != "correctness")

@@ -12,7 +12,8 @@ DTYPES = [torch.float32, torch.float16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op,variant", [("paged_decode", "v2_triton"), ("prefix_prefill", "triton"),
-                                        ("moe", "triton"), ("rms_norm", "triton"), ("qk_norm_rope", "triton")])
+                                        ("moe", "triton"), ("rms_norm", "triton"), ("qk_norm_rope", "triton"),
+                                        ("gated_delta_rule", "triton_chunk"), ("gated_delta_rule", "triton_recurrent")])
 def test_small_shape_list(op, variant, dtype):
     result = check.run(op, variant, "cpu", dtype, small=True)
     assert result["passed"], result

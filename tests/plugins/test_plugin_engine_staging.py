@@ -57,7 +57,9 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(plugins=OPTIMIZATIONS, probe=json.dumps(probe)))
     serve = tmp_path / "ws" / "serve.yaml"
     serve.parent.mkdir()
-    serve.write_bytes((CONFIGS / "baseline.yaml").read_bytes())
+    # the hybrid model, so that the Gated DeltaNet plugins apply too
+    baseline = (CONFIGS / "baseline.yaml").read_text().replace("model: tiny ", "model: tiny-hybrid ", 1).encode()
+    serve.write_bytes(baseline)
     run = cli(tmp_path, "run")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     status = json.loads(cli(tmp_path, "status", "--json").stdout)
@@ -69,7 +71,7 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton", "cuda-graphs"):
         assert outcomes[pid] == [("skipped", "not_applicable", None)]
     for pid in ("max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-triton",
-                "prefill-triton", "moe-triton", "fused-norm-rope"):
+                "prefill-triton", "moe-triton", "fused-norm-rope", "gdn-prefill-triton", "gdn-decode-triton"):
         assert [o[:2] for o in outcomes[pid]] == [("kept", None)], (pid, outcomes[pid])
     assert outcomes["decode-threshold-64k"][0][:2] == ("rolled_back", "regressed")
     kept_tuning = [o[2] for o in outcomes["prefill-triton-tuning"] if o[0] == "kept"]
@@ -77,14 +79,15 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for result in outcomes.values():  # nothing failed to apply or verify
         assert not {o[1] for o in result} & {"apply_failed", "verify_failed"}, outcomes
 
-    kept, optimized = load_config(serve).model_dump(), load_config(CONFIGS / "optimized.yaml").model_dump()
+    kept = load_config(serve).model_dump()
+    optimized = load_config(CONFIGS / "optimized.yaml", {"model": "tiny-hybrid"}).model_dump()
     assert (kept.pop("cuda_graphs"), optimized.pop("cuda_graphs")) == (False, True)
     assert kept == optimized
     assert yaml.safe_load(serve.read_text())["max-num-seqs"] == 256
 
     back = cli(tmp_path, "rollback", "--all")
     assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
-    assert serve.read_bytes() == (CONFIGS / "baseline.yaml").read_bytes()
+    assert serve.read_bytes() == baseline
 
 
 def test_tuning_is_not_applicable_where_the_engine_would_not_run_triton(tmp_path):
@@ -106,3 +109,22 @@ def test_tuning_is_not_applicable_where_the_engine_would_not_run_triton(tmp_path
                               env={**env, **extra_env}, capture_output=True, text=True, timeout=120)
         outcomes.append(proc.returncode)
     assert outcomes == [3, 0, 3]
+
+
+def test_gdn_plugins_apply_to_hybrid_models_where_triton_runs(tmp_path):
+    """A dense model has no Gated DeltaNet layer to run the kernels on; without a GPU or the
+    interpreter the engine would fall back from Triton: in both cases nothing would change."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    base = (CONFIGS / "baseline.yaml").read_text().replace("device: auto", "device: cpu")
+    script = ("import sys; sys.path.insert(0, %r); import hooks; "
+              "sys.exit(0 if hooks.triton_gdn_in_use(%r, 'serve.yaml') else 3)")
+    for plugin in ("gdn-prefill-triton", "gdn-decode-triton"):
+        outcomes = []
+        for model, extra_env in (("tiny-hybrid", {"TRITON_INTERPRET": "1"}), ("tiny-hybrid", {}),
+                                 ("tiny", {"TRITON_INTERPRET": "1"})):
+            (tmp_path / "serve.yaml").write_text(base.replace("model: tiny ", f"model: {model} ", 1))
+            proc = subprocess.run([sys.executable, "-c", script % (str(OPTIMIZATIONS / plugin), str(tmp_path))],
+                                  env={**env, **extra_env}, capture_output=True, text=True, timeout=120)
+            outcomes.append(proc.returncode)
+        assert outcomes == [0, 3, 3], plugin

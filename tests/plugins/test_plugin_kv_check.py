@@ -90,3 +90,36 @@ def test_engine_check_reads_the_workspace_serve_config(tmp_path):
     (tmp_path / "serve.yaml").write_text(baseline + "device: cpu\nkv-cache-memory: 500000000\n")
     too_small = hook(tmp_path, "kv_cache_fits_engine")
     assert too_small.returncode == 1 and "does NOT fit" in too_small.stdout
+
+
+def test_weights_of_a_dummy_loaded_model_are_counted_from_its_config(tmp_path):
+    """vllm serve --load-format dummy needs no weight files: the check counts the parameters instead."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kv_hooks", PLUGIN / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    config = {**QWEN36, "vocab_size": 248320, "num_experts": 256, "num_experts_per_tok": 8,
+              "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "attn_output_gate": True,
+              "dtype": "bfloat16"}
+    root = vllm_deployment(tmp_path, "model: model\n", config)
+    weights, what = hooks.weight_bytes(root / "model", config)
+    assert 64e9 < weights < 72e9 and "parameters of config.json" in what  # 64.6 GiB measured by vLLM on an H200
+    (root / "model" / "model.safetensors").write_bytes(b"x" * 1000)
+    assert hooks.weight_bytes(root / "model", config) == (1000, "weights")
+    assert hooks.weight_bytes(root, {})[0] == 0  # no config.json there: nothing to count
+
+
+def test_vllm_hybrid_model_counts_each_sequences_linear_attention_state(tmp_path):
+    """Qwen3.6's real config: 10 attention layers (20 KiB/token in bf16) and 30 Gated DeltaNet layers,
+    each sequence holding 30 x (32 x 128 x 128 float32 + 8,192 x 3 bf16) = 61.4 MiB of state."""
+    real = {**QWEN36, "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(40)],
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32"}
+    need = 256 * (2048 * 20 * 1024 + 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2))  # 25.35 GiB
+    root = vllm_deployment(tmp_path, f"model: model\nkv-cache-memory-bytes: {need + 1}\n", real)
+    result = hook(root, "kv_cache_fits_vllm")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "20.0 KiB/token + 61.4 MiB/sequence" in result.stdout
+    (root / "serve.yaml").write_text(f"model: model\nkv-cache-memory-bytes: {need - 1}\n")
+    assert hook(root, "kv_cache_fits_vllm").returncode == 1  # the KV alone (10 GiB) would fit

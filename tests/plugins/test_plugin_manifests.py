@@ -23,8 +23,14 @@ SHIPPED = {
     "prefill-pregather", "prefill-triton", "prefill-triton-tuning",            # prefix prefill
     "moe-sorted", "moe-triton",                                                 # MoE
     "fused-norm-rope", "cuda-graphs",                                           # engine decode steps
+    "gdn-prefill-triton", "gdn-decode-triton",                                  # Gated DeltaNet
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
+    "max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",  # vLLM serve options
+    "kv-cache-fp8", "cudagraph-capture-size",
 }
+VLLM_SERVE = {"max-num-seqs-search": "max-num-seqs", "max-batched-tokens-search": "max-num-batched-tokens",
+              "prefix-caching": "enable-prefix-caching", "async-scheduling": "async-scheduling",
+              "kv-cache-fp8": "kv-cache-dtype", "cudagraph-capture-size": "max-cudagraph-capture-size"}
 
 
 def engine_plugins(workspace: Path):
@@ -117,3 +123,30 @@ def test_plugin_table_lists_every_plugin():
     for pid in SHIPPED:
         assert f"`{pid}`" in table, pid
     assert "CCCL" in table
+
+
+def test_vllm_serve_plugins_check_their_option_verify_and_roll_back(tmp_path):
+    """Each needs its option in the installed vLLM (read from source; else not_applicable), verifies the
+    value landed and the whole config is servable there, and re-checks the restored config on rollback."""
+    plugins = {p.id: p for p in load_all(OPTIMIZATIONS, {"vllm": tmp_path, "serve": tmp_path},
+                                         {"serve_config": "serve.yaml"})}
+    for pid, option in VLLM_SERVE.items():
+        m = plugins[pid].manifest
+        assert m.targets == ["vllm"], pid
+        assert [c.body.run[-2:] for c in m.applies_if] == [["has", option]], pid
+        for variant in plugins[pid].variants:
+            assert [s.body.key for s in variant.apply] == [option], pid
+            assert {c.kind for c in variant.verify} == {"contains", "command"}, pid
+            assert [s.body.run[-2:] for s in variant.rollback] == [["check", "serve.yaml"]], pid
+        assert m.changes_numerics == (pid == "kv-cache-fp8"), pid
+    assert [v.params for v in plugins["max-num-seqs-search"].variants] == [
+        {"max_num_seqs": n} for n in (512, 1024)]
+
+
+def test_changes_numerics_reaches_the_probe_environment(tmp_path):
+    from orchestrator.plugin import NUMERICS_ENV, numerics_env
+
+    plugins = {p.id: p for p in load_all(OPTIMIZATIONS, {"vllm": tmp_path, "serve": tmp_path},
+                                         {"serve_config": "serve.yaml"})}
+    assert numerics_env([plugins["max-num-seqs-search"], plugins["async-scheduling"]]) == {}
+    assert numerics_env([plugins["kv-cache-fp8"], plugins["async-scheduling"]]) == {NUMERICS_ENV: "kv-cache-fp8"}

@@ -74,16 +74,12 @@ def write_config(folder: Path, text: str = TINY_CONFIG) -> Path:
 
 def start_server(config: Path, *extra: str):
     """The engine server as the probe runs it: its own process group, healthy before return."""
-    import asyncio
+    from orchestrator.probes.live_server import LiveServer
 
-    from orchestrator.probes.serving import ServerProcess, free_port, wait_healthy
-
-    port = free_port()
-    server = ServerProcess([PY, "-m", "engine.server", "--config", str(config),
-                            "--port", str(port), *extra])
+    server = LiveServer([PY, "-m", "engine.server", "--config", str(config), "--port", "{port}", *extra])
     try:
-        asyncio.run(wait_healthy(f"http://127.0.0.1:{port}", 120, server))
+        server.start().wait_healthy(120)
     except BaseException:
         server.stop()
         raise
-    return server, f"http://127.0.0.1:{port}"
+    return server, server.url

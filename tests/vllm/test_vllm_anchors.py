@@ -9,7 +9,7 @@ import pytest
 from orchestrator import patchcheck
 from orchestrator.plugin import load_all
 from orchestrator.steps import StepContext, check, compute
-from vllm_source import ENGINE_ONLY, FORK_ONLY, ON_PINNED, OPTIMIZATIONS
+from vllm_source import ENGINE_ONLY, FORK_ONLY, NEWER_ONLY, ON_PINNED, OPTIMIZATIONS, SERVE_OPTIONS, probe_env
 
 
 
@@ -21,7 +21,7 @@ def stage_in_memory(package: Path, serve_dir: Path):
         if "vllm" not in plugin.manifest.targets:
             outcome[plugin.id] = "not_vllm"
             continue
-        ctx = StepContext(roots=roots, kind="vllm", plugin_dir=plugin.folder, env={})
+        ctx = StepContext(roots=roots, kind="vllm", plugin_dir=plugin.folder, env=probe_env(package))
         for variant in plugin.variants:
             if not all(check(c, ctx)[0] for c in variant.applies_if if c.runs_on("vllm")):
                 outcome[plugin.id] = "not_applicable"
@@ -44,7 +44,7 @@ def serve_dir(tmp_path):
 def test_pinned_vllm_anchor_sets(vllm_pinned, serve_dir):
     outcome = stage_in_memory(vllm_pinned, serve_dir)
     assert {k for k, v in outcome.items() if isinstance(v, list)} == ON_PINNED
-    assert {k for k, v in outcome.items() if v == "not_applicable"} == FORK_ONLY
+    assert {k for k, v in outcome.items() if v == "not_applicable"} == FORK_ONLY | NEWER_ONLY
     assert {k for k, v in outcome.items() if v == "not_vllm"} == ENGINE_ONLY
 
 
@@ -80,6 +80,8 @@ def test_newest_vllm_no_anchor_fails(vllm_newest, serve_dir):
                     if path.suffix == ".py":
                         compile(data, str(path), "exec")
     assert outcome["max-num-seqs-256"] != "not_applicable"
+    for pid in SERVE_OPTIONS | NEWER_ONLY:  # every serve option these plugins set exists in the newest vLLM
+        assert isinstance(outcome[pid], list), (pid, outcome[pid])
 
 
 def defs(source: bytes) -> dict[str, list[str]]:

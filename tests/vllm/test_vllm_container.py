@@ -67,7 +67,16 @@ def test_first_start_writes_configs_stages_then_serves(box):
     assert project.plugins_dir == OPTIMIZATIONS and project.state_dir == state
     assert project.target.serve_config == state / "serve" / "serve.yaml"
     assert not project.state_dir.is_relative_to(project.target.serve_config.parent)  # the serve root
-    assert [p.name for p in project.probes] == ["kernels", "serving"]
+    assert [p.name for p in project.probes] == ["greedy", "serving"]  # live: each starts `vllm serve`
+
+
+def test_the_first_start_arguments_are_staged_with_but_not_its_address(box):
+    env, state, log = box
+    args = ["--max-model-len", "4096", "--port", "8001", "--host=0.0.0.0", "--additional-config", '{"a": "#1"}']
+    assert start(env, *args, MODEL="m").returncode == 0
+    project = load(state / "orchestrator.yaml")
+    assert project.target.config.serve_args == ["--max-model-len", "4096", "--additional-config", '{"a": "#1"}']
+    assert calls(log)[-1] == f"vllm serve --config {state}/serve/serve.yaml {' '.join(args)} VLLM_USE_V1=0"
 
 
 def test_later_starts_keep_the_edited_configs(box):
@@ -159,5 +168,5 @@ def test_dockerfile_builds_on_vllm_keeps_state_in_a_volume_and_uses_the_entrypoi
     assert "ARG BASE_IMAGE=vllm/vllm-openai:v0.10.2\nFROM ${BASE_IMAGE}\n" in text
     assert 'VOLUME ["/var/lib/orchestrator"]' in text and "ORCHESTRATOR_STATE=/var/lib/orchestrator" in text
     assert 'ENTRYPOINT ["/usr/local/bin/orchestrator-entrypoint"]' in text
-    for copied in ("orchestrator/", "kernels/", "optimizations/", "docker/"):
+    for copied in ("orchestrator/", "kernels/", "engine/", "optimizations/", "docker/"):
         assert f"COPY {copied} {copied}" in text

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_source import ENGINE_ONLY, FORK_ONLY, ON_PINNED, OPTIMIZATIONS, REPO
+from vllm_source import ENGINE_ONLY, FORK_ONLY, NEWER_ONLY, ON_PINNED, OPTIMIZATIONS, REPO
 
 
 # Qwen3-30B-A3B's attention shapes: 48 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes = 96 KiB per token
@@ -82,14 +82,15 @@ def test_pinned_vllm_every_applicable_plugin_applies_verifies_and_rolls_back(vll
     outcomes = staged(deployment(tmp_path, vllm_pinned))
     for pid in ON_PINNED:
         assert set(outcomes[pid]) == {("rolled_back", "no_gain")}, (pid, outcomes[pid])
-    for pid in FORK_ONLY | ENGINE_ONLY:
+    for pid in FORK_ONLY | ENGINE_ONLY | NEWER_ONLY:
         assert outcomes[pid] == [("skipped", "not_applicable")], (pid, outcomes[pid])
     assert len(outcomes["prefill-triton-tuning"]) == 8
+    assert len(outcomes["max-num-seqs-search"]) == 2
 
 
 def test_newest_vllm_no_plugin_fails(vllm_newest, tmp_path):
     outcomes = staged(deployment(tmp_path, vllm_newest))
-    assert set(outcomes) == ON_PINNED | FORK_ONLY | ENGINE_ONLY
+    assert set(outcomes) == ON_PINNED | FORK_ONLY | ENGINE_ONLY | NEWER_ONLY
     for pid, results in outcomes.items():
         for outcome, reason in results:
             assert reason not in ("apply_failed", "verify_failed"), (pid, outcome, reason)

@@ -48,16 +48,58 @@ def test_roots_vars_and_env(deployment):
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(deployment / "site")
 
 
-def test_default_probes_serve_the_config_and_check_deployed_kernels(deployment):
-    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", model="my/model")
-    kernels_probe, serving = target.default_probes()
-    assert kernels_probe["role"] == "correctness"
-    assert kernels_probe["command"] == ["python", "-m", "orchestrator.targets.vllm", "check-kernels"]
-    assert serving["role"] == "throughput" and serving["objective"] == "score"
-    assert serving["command"][:4] == ["python", "-m", "orchestrator.probes.serving", "--server-cmd"]
-    server = shlex.split(serving["command"][4])
-    assert server[1:] == ["-m", "vllm.entrypoints.cli.main", "serve", "my/model", "--config",
-                          str(deployment / "conf" / "serve.yaml"), "--host", "{host}", "--port", "{port}"]
+def test_default_probes_start_vllm_serve_live(deployment):
+    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", model="my/model",
+                  serve_args=["--load-format", "dummy", "--additional-config", '{"a": 1}'], served_model_name="m36",
+                  startup_timeout=120, stop_timeout=5)
+    greedy, serving = target.default_probes()
+    assert (greedy["name"], greedy["role"]) == ("greedy", "correctness")
+    assert (serving["name"], serving["role"], serving["objective"]) == ("serving", "throughput", "score")
+    serve = ["vllm", "serve", "my/model", "--config", str(deployment / "conf" / "serve.yaml"), "--host", "{host}",
+             "--port", "{port}", "--served-model-name", "m36", "--load-format", "dummy", "--additional-config",
+             '{"a": 1}']
+    for probe, module in ((greedy, "orchestrator.probes.greedy"), (serving, "orchestrator.probes.serving")):
+        cmd = probe["command"]
+        assert cmd[:3] == ["python", "-m", module]
+        assert shlex.split(cmd[cmd.index("--server-cmd") + 1]) == serve
+        assert cmd[cmd.index("--stop-timeout") + 1] == "5" and cmd[cmd.index("--model") + 1] == "m36"
+        assert cmd[cmd.index("--server-log-dir") + 1] == str(deployment / "state" / "server-logs")
+        assert probe["timeout"] > 120 + 5  # the probe reports a start-up timeout itself, with the log's tail
+    assert greedy["command"][greedy["command"].index("--reference") + 1] == str(deployment / "state" / "vllm-reference.json")
+    assert greedy["command"][greedy["command"].index("--startup-timeout") + 1] == "120"
+    assert serving["command"][serving["command"].index("--health-timeout") + 1] == "120"
+    w = dict(zip(serving["command"][::1], serving["command"][1:]))
+    assert (w["--num-prompts"], w["--input-len"], w["--output-len"], w["--max-concurrency"]) == ("64", "1000", "100", "64")
+
+
+def test_probes_against_a_running_server_start_none(deployment):
+    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", objective="cpu_score")
+    for probe in target.probes_against("http://127.0.0.1:8123"):
+        cmd = probe["command"]
+        assert cmd[cmd.index("--base-url") + 1] == "http://127.0.0.1:8123"
+        assert "--server-cmd" not in cmd and "--stop-timeout" not in cmd
+    serving = target.probes_against("http://x", 4321)[1]
+    assert serving["objective"] == "cpu_score" and serving["command"][serving["command"].index("--server-pid") + 1] == "4321"
+    assert "--server-pid" not in target.default_probes()[1]["command"]
+    server = target.live_server({"A": "1"}, label="shared")
+    assert server.proc is None  # not started
+    assert server.argv[:4] == ["vllm", "serve", "--config", str(deployment / "conf" / "serve.yaml")]
+    assert server.argv[5] == "127.0.0.1" and server.argv[7] == str(server.port)
+    assert server.env == {"A": "1"} and server.stop_timeout == 30 and server.log_dir == deployment / "state" / "server-logs"
+
+
+@pytest.mark.parametrize("args", [["--port", "8000"], ["--host=0.0.0.0"], ["--config", "other.yaml"]])
+def test_serve_args_may_not_take_what_the_probes_set(args):
+    with pytest.raises(Exception, match=f"{args[0].split('=')[0]} is set by the probes"):
+        VllmTarget.Config(kind="vllm", serve_args=["--max-model-len", "4096", *args])
+
+
+def test_python_in_the_serve_command_is_this_interpreter(deployment):
+    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml",
+                  serve_command=["python3", "-m", "vllm.entrypoints.cli.main", "serve"])
+    assert target.serve_argv("h", 1)[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--config"]
+    with pytest.raises(Exception, match="serve_command"):
+        VllmTarget.Config(kind="vllm", serve_command=[])
 
 
 def test_installed_package_is_found_without_importing_it(deployment, monkeypatch):
@@ -178,3 +220,18 @@ def test_signature_markers():
 
     fn = ast.parse("def f(a, /, b, *c, d, **e): pass").body[0]
     assert patchcheck.signature(fn) == ["a", "/", "b", "*c", "d", "**e"]
+
+
+def test_a_bad_live_field_is_refused_before_anything_changes(deployment):
+    serve = deployment / "conf" / "serve.yaml"
+    before = serve.read_bytes()
+    (deployment / "orchestrator.yaml").write_text(
+        "target: {kind: vllm, package: site/vllm, serve_config: conf/serve.yaml,\n"
+        "         serve_args: [--max-model-len, '4096', --port, '8000'], startup_timeout: 60}\n")
+    result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
+                            cwd=deployment, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert "orchestrator.yaml" in result.stderr and "target.serve_args" in result.stderr
+    assert "--port is set by the probes" in result.stderr
+    assert serve.read_bytes() == before and not (deployment / "state").exists()

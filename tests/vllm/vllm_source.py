@@ -16,12 +16,17 @@ REPO = Path(__file__).resolve().parents[2]
 OPTIMIZATIONS = REPO / "optimizations"
 PINNED = "0.10.2"
 
-# What each shipped plugin does on vLLM 0.10.2: applies, needs a fork's code, or is for the engine only.
+# What each shipped plugin does on vLLM 0.10.2: applies, needs a fork's code or a newer vLLM, or is for the
+# engine only. SERVE_OPTIONS edit only the serve config, with options both releases have.
+SERVE_OPTIONS = {"max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",
+                 "kv-cache-fp8"}
 ON_PINNED = {"max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-layout", "decode-v2-triton",
-             "prefill-triton", "prefill-triton-tuning"}
+             "prefill-triton", "prefill-triton-tuning"} | SERVE_OPTIONS
+NEWER_ONLY = {"cudagraph-capture-size"}  # max-cudagraph-capture-size: not an option of 0.10.2
 FORK_ONLY = {"fork-head-mapping-tensor", "fork-enable-triton", "fork-xformers-flash-prefill", "decode-v2-long",
              "decode-threshold-64k"}
-ENGINE_ONLY = {"prefill-pregather", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs"}
+ENGINE_ONLY = {"prefill-pregather", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs", "gdn-prefill-triton",
+               "gdn-decode-triton"}
 
 
 def wheel_cache() -> Path:
@@ -72,11 +77,17 @@ def unpack(whl: Path, dest: Path) -> Path:
     return dest / "vllm"
 
 
+def probe_env(package: Path) -> dict[str, str]:
+    """What the staging loop gives a plugin's command steps: the package root and this repository."""
+    return {**os.environ, "ORCHESTRATOR_ROOT_VLLM": str(package),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
 def patched_files(package: Path, plugin_id: str, variant: int = 0) -> dict[Path, bytes]:
     """The files one plugin's vLLM steps would write (path -> new bytes), computed without writing."""
     roots = {"vllm": package, "serve": package.parent}
     plugin = load_plugin(OPTIMIZATIONS / plugin_id, roots, {"serve_config": "serve.yaml"})
-    ctx = StepContext(roots=roots, kind="vllm", plugin_dir=plugin.folder, env={})
+    ctx = StepContext(roots=roots, kind="vllm", plugin_dir=plugin.folder, env=probe_env(package))
     files: dict[Path, bytes] = {}
     for step in plugin.variants[variant].apply:
         if step.runs_on("vllm"):

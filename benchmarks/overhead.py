@@ -4,7 +4,7 @@
    (the plugin's verify fails, so it is applied, checked and rolled back; no probe runs);
 2. `orchestrator status` on a database holding 10,000 steps (the real CLI in a subprocess).
 
-    python -m orchestrator.bench.overhead [--iterations 20]
+    python -m benchmarks.overhead [--iterations 20]
 """
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ from pathlib import Path
 import yaml
 
 from orchestrator.config import load
+from orchestrator.context import open_run
+from orchestrator.deployment import Deployment
 from orchestrator.journal import Journal
+from orchestrator.measure import Measurer
 from orchestrator.plugin import load_all
 from orchestrator.stage import Stager
 from orchestrator.store import Store, dumps
@@ -55,20 +58,21 @@ def stage_overhead(base: Path, iterations: int) -> dict:
     for i in range(iterations):
         project = load(make_project(base / f"cold{i}"))
         store = Store(project.db_path)
-        stager = Stager(project, load_all(project.plugins_dir, project.target.roots, {}), store,
-                        Journal(store, project.state_dir / "blobs"))
-        stager.run_id = store.start_run("run", None, "files")
+        journal = Journal(store, project.state_dir / "blobs")
+        plugin = load_all(project.plugins_dir, project.target.roots, {})[0]
+        run = open_run(project, store, journal, "run")
+        stager = Stager(run, Measurer(run), Deployment(store, journal))
         before = {p.name: p.read_bytes() for p in project.target.roots["target"].iterdir()}
         t = time.perf_counter()
-        stager.stage(stager.plugins[0])
+        stager.stage(plugin)
         cold.append(time.perf_counter() - t)
         for _ in range(3):
             t, c = time.perf_counter(), time.process_time()
-            stager.stage(stager.plugins[0])
+            stager.stage(plugin)
             warm.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
         after = {p.name: p.read_bytes() for p in project.target.roots["target"].iterdir()}
-        assert after == before and store.steps(stager.run_id)[-1]["reason"] == "verify_failed"
+        assert after == before and store.steps(run.run_id)[-1]["reason"] == "verify_failed"
         store.close()
     return {"cold_median_ms": 1000 * statistics.median(cold), "warm_median_ms": 1000 * statistics.median(warm),
             "warm_cpu_median_ms": 1000 * statistics.median(cpu),
@@ -76,26 +80,24 @@ def stage_overhead(base: Path, iterations: int) -> dict:
 
 
 def fill_history(config: Path, runs: int, steps_per_run: int) -> None:
+    """Finished runs of judged steps, written through the store's own methods, one transaction per run."""
     project = load(config)
     store = Store(project.db_path)
     outcomes = [("kept", None), ("rolled_back", "no_gain"), ("rolled_back", "regressed"), ("skipped", "not_applicable")]
-    with store.db.atomic():
-        for r in range(runs):
-            run_id = store.db["runs"].insert(dict(command="run", status="finished", started=time.time(),
-                                                  finished=time.time(), baseline=dumps({"score": 100.0}))).last_pk
-            rows = []
+    decision = {"verdict": "keep", "gain": 0.01, "ci_low": 0.0, "ci_high": 0.02, "n_baseline": 3, "n_candidate": 3,
+                "rule": "stat"}
+    for _ in range(runs):
+        with store.transaction():
+            run_id = store.start_run("run", None, "files")
+            store.update_run(run_id, baseline=dumps({"score": 100.0}))
             for s in range(steps_per_run):
                 outcome, reason = outcomes[s % len(outcomes)]
-                rows.append(dict(run_id=run_id, seq=s, plugin=f"plugin-{s:05d}", state="done", outcome=outcome,
-                                 reason=reason, gain=0.01 * (s % 7), objective="score", before_value=100.0,
-                                 after_value=101.0, metrics=dumps({"score": 101.0}), started=0.0, finished=1.0,
-                                 duration=1.0))
-            store.db["steps"].insert_all(rows, batch_size=1000)
-            first = store.conn.execute("SELECT MIN(id) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
-            store.db["decisions"].insert_all(
-                [dict(run_id=run_id, step_id=first + s, objective="score", verdict="keep", gain=0.01, ci_low=0.0,
-                      ci_high=0.02, n_baseline=3, n_candidate=3, rule="stat", vetoes="[]", decision="{}")
-                 for s in range(0, steps_per_run, 2)], batch_size=1000)
+                step_id = store.new_step(run_id, f"plugin-{s:05d}", "measuring", objective="score")
+                store.finish_step(step_id, outcome, reason, gain=0.01 * (s % 7), before_value=100.0, after_value=101.0,
+                                  metrics=dumps({"score": 101.0}))
+                if s % 2 == 0:
+                    store.add_decision(run_id, step_id, "score", decision, [], {})
+            store.finish_run(run_id, "finished")
     store.close()
 
 

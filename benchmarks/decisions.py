@@ -1,6 +1,6 @@
 """Decision-quality benchmark: simulated probes with known true effects, judged by the stat and first rules.
 
-Run ``python -m orchestrator.bench.decisions`` (``--help`` for options). Every number comes from
+Run ``python -m benchmarks.decisions`` (``--help`` for options). Every number comes from
 the real ``Judge`` and ``first_rule``; numpy only draws the samples.
 
 Probe model: sample = 100 x effect (candidate only) x drift(t) x (1 + cv * z), z standard normal,
@@ -148,7 +148,7 @@ def markdown(rows: list[tuple[Cell, Cell]], policy, trials: int, seed: int, seco
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.bench.decisions", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decisions", description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=7)
     for name in ("min_gain", "confidence", "implausible_factor"):
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = {k: v for k, v in vars(args).items() if k in DEFAULTS}
     policy = SimpleNamespace(**{**DEFAULTS, **chosen, "rule": "stat", "interleave": True})
-    command = "python -m orchestrator.bench.decisions " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.decisions " + " ".join(argv if argv is not None else sys.argv[1:])
     start = time.perf_counter()
     rows = run_all(policy, args.trials, args.seed, args.drift_span, args.order)
     text = markdown(rows, policy, args.trials, args.seed, time.perf_counter() - start, command.strip())

@@ -1,0 +1,106 @@
+"""Qwen3-Next / Qwen3.6's Gated DeltaNet layer (linear attention), as vLLM and Hugging Face run it.
+
+One projection gives q, k, v (Hk key heads, H value heads) and the output gate z; another gives
+beta (sigmoid: how much of each token to write) and a, from which the per-head log decay is
+``g = -exp(A_log) * softplus(a + dt_bias)``. q, k and v go through a short causal depthwise
+convolution (kernel 4) and SiLU; the gated delta rule (``kernels`` op ``gated_delta_rule``, with q and
+k L2-normalised in the kernel) mixes them through each sequence's recurrent state; each head's output
+is RMS-normalised and multiplied by SiLU(z), then projected back.
+
+Both states live in per-sequence slots (``engine/state_cache.py``): ``conv_state`` holds the last
+kernel - 1 convolution inputs, ``ssm_state`` the recurrent state. Decode rows reach their slots
+through a device tensor only (no host sync, no shape that depends on the data); prefill chunks
+run the convolution sequence by sequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.kernel_choice import Kernels
+from engine.model_config import ModelConfig
+
+
+class RMSNormGated(nn.Module):
+    """RMSNorm over each head's output, then times SiLU of the gate (Qwen3-Next's ``RMSNormGated``)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k, self.head_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_dim
+        self.kernel_size = cfg.linear_conv_kernel_dim
+        self.in_proj_qkvz = nn.Parameter(torch.empty(self.conv_dim + self.value_dim, h))  # rows: q, k, v, z
+        self.in_proj_ba = nn.Parameter(torch.empty(2 * self.num_v_heads, h))  # rows: b, a
+        self.conv1d = nn.Parameter(torch.empty(self.conv_dim, self.kernel_size))  # taps oldest first
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = RMSNormGated(self.head_v, cfg.rms_norm_eps)
+        self.out_proj = nn.Parameter(torch.empty(h, self.value_dim))
+        self.kernels = kernels
+        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1], set by the model runner
+        self.ssm_state: torch.Tensor | None = None  # [slots, value heads, K, V] float32
+
+    @torch.no_grad()
+    def init_gates(self, gen: torch.Generator) -> None:
+        """Decays from fast to slow across heads, as trained models have (a random ``A_log`` near 0
+        would forget everything within a few tokens): A in [0.05, 1], dt_bias around 0."""
+        a = torch.empty(self.A_log.shape, dtype=torch.float32, device=self.A_log.device).uniform_(0.05, 1.0, generator=gen)
+        self.A_log.copy_(a.log())
+        self.dt_bias.copy_(torch.randn(self.dt_bias.shape, generator=gen, device=self.dt_bias.device) * 0.5)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        st = meta.state
+        t = x.shape[0]
+        if st.fresh_slots is not None:  # sequences starting now: no history in their slots
+            self.conv_state.index_fill_(0, st.fresh_slots, 0)
+            self.ssm_state.index_fill_(0, st.fresh_slots, 0)
+        mixed, z = F.linear(x, self.in_proj_qkvz).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = F.linear(x, self.in_proj_ba).chunk(2, dim=-1)
+        q, k, v = self._conv(mixed, st).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.view(t, self.num_k_heads, self.head_k), k.view(t, self.num_k_heads, self.head_k)
+        v = v.view(t, self.num_v_heads, self.head_v)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        parts, nd = [], st.num_decode
+        if nd:  # [sequences, 1 token]
+            parts.append(self.kernels.gdn_decode(
+                q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None],
+                initial_state=self.ssm_state, state_slots=st.decode_slots, use_qk_l2norm_in_kernel=True)[0][:, 0])
+        if st.prefill_spans:  # [1, packed tokens]
+            parts.append(self.kernels.gdn_prefill(
+                q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:],
+                initial_state=self.ssm_state, state_slots=st.prefill_slots, cu_seqlens=st.prefill_cu_seqlens,
+                use_qk_l2norm_in_kernel=True)[0][0])
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        o = self.norm(o, z.view(t, self.num_v_heads, self.head_v))
+        return F.linear(o.reshape(t, self.value_dim), self.out_proj)
+
+    def _conv(self, mixed: torch.Tensor, st) -> torch.Tensor:
+        """SiLU of the causal depthwise convolution of each sequence's inputs, continuing from (and
+        updating) its slot's last kernel - 1 inputs."""
+        out = torch.empty_like(mixed)
+        w, nd = self.conv1d, st.num_decode
+        if nd:
+            window = torch.cat([self.conv_state.index_select(0, st.decode_slots), mixed[:nd, :, None]], dim=-1)
+            out[:nd] = (window * w).sum(-1)
+            self.conv_state.index_copy_(0, st.decode_slots, window[..., 1:])
+        for first, end, slot in st.prefill_spans:
+            seq = torch.cat([self.conv_state[slot], mixed[first:end].T], dim=-1)  # [channels, kernel - 1 + n]
+            out[first:end] = F.conv1d(seq[None], w[:, None, :], groups=self.conv_dim)[0].T
+            self.conv_state[slot] = seq[:, seq.shape[1] - (self.kernel_size - 1):]
+        return F.silu(out)

@@ -1,0 +1,166 @@
+"""Re-measuring the deployment after plugins were judged one at a time: the final re-validation of the stack a run
+kept, each kept plugin's contribution (leave-one-out), and the re-verification of decisions taken elsewhere.
+
+Each comparison is a step whose pre-images are the deployment and whose post-images are the state compared with
+it, so that recovery after a crash anywhere puts the deployment back. The compared state is the baseline arm and
+the deployment the candidate, so a gain is the deployment's.
+"""
+from __future__ import annotations
+
+from orchestrator import decide
+from orchestrator.config import Policy
+from orchestrator.context import RunContext
+from orchestrator.deployment import Deployment
+from orchestrator.measure import ArmFailed, Measurer, Verdict, describe, guardrail_vetoes, numbers
+from orchestrator.plugin import Plugin
+from orchestrator.store import label, loads
+
+MEASURED = "measured"  # outcome of a re-measurement step: it leaves the deployment as it was
+FINAL = "(final)"  # the final re-validation's step is named so; its kind says what it is
+
+
+class Restack:
+    def __init__(self, run: RunContext, measurer: Measurer, deployment: Deployment, plugins: list[Plugin]):
+        self.run = run
+        self.store = run.store
+        self.journal = run.journal
+        self.reporter = run.reporter
+        self.measurer = measurer
+        self.deployment = deployment
+        self.plugins = plugins
+
+    # comparison steps
+    def switch_step(self, plugin: str, kind: str, images: list[tuple[dict, dict]], params: dict | None = None) -> int:
+        """`images`: (row holding the deployed image, row whose pre-image is compared) per file."""
+        step_id = self.store.new_step(self.run.run_id, plugin, "measuring", params=params, kind=kind,
+                                      objective=self.measurer.objective)
+        self.store.add_files([dict(step_id=step_id, root=now["root"], root_path=now["root_path"], path=now["path"],
+                                   kind="file", before=now["after"], before_mode=now["after_mode"],
+                                   after=then["before"], after_mode=then["before_mode"], sealed=1)
+                              for now, then in images if now["after"] != then["before"]])
+        return step_id
+
+    def compare(self, step_id: int, policy: Policy, name: str) -> Verdict:
+        """Interleaved pairs whatever the plugins' mode; the target ends as deployed whatever happens."""
+        policy = policy.model_copy(update={"interleave": True})
+        try:
+            return self.measurer.interleaved(step_id, policy, name, lambda: self.journal.show(step_id, "post"),
+                                             lambda: self.journal.show(step_id, "pre"))
+        finally:
+            self.journal.show(step_id, "pre")
+
+    def measure_switch(self, plugin: str, kind: str, images: list[tuple[dict, dict]],
+                       phase: str) -> tuple[int, Verdict | None]:
+        """A comparison step of the deployment against another state; None when an arm failed (recorded)."""
+        step_id = self.switch_step(plugin, kind, images)
+        name = label(self.store.step(step_id))
+        self.reporter.phase(name, phase)
+        try:
+            return step_id, self.compare(step_id, self.run.project.policy, name)
+        except ArmFailed as e:
+            self.store.finish_step(step_id, MEASURED, e.reason, str(e))
+            return step_id, None
+
+    def record(self, step_id: int, verdict: Verdict, reason: str | None, detail: str) -> None:
+        self.measurer.record(verdict, self.run.project.policy)
+        self.store.finish_step(step_id, MEASURED, reason, detail, **numbers(verdict))
+        self.reporter.outcome(label(self.store.step(step_id)), MEASURED, reason, verdict.decision.gain)
+
+    # the stack a run kept
+    def revalidate(self, kept: list[int]) -> None:
+        """The whole stack the run kept (`kept`: its steps, in order) against the target as it was before the
+        first of them."""
+        first: dict[tuple[str, str], dict] = {}
+        last: dict[tuple[str, str], dict] = {}
+        for sid in kept:
+            for f in self.deployment.files(sid):
+                first.setdefault((f["root_path"], f["path"]), f)
+                last[(f["root_path"], f["path"])] = f
+        step_id, verdict = self.measure_switch(FINAL, "final", [(last[k], first[k]) for k in last],
+                                               "re-validating the kept stack")
+        if verdict is None:
+            return
+        d = verdict.decision
+        better = d.verdict == "keep"
+        detail = f"kept stack against the run's baseline: {describe(d)}"
+        self.record(step_id, verdict, None if better else "stack_not_better", detail)
+        if not better:
+            self.store.event(self.run.run_id, "warning", f"the kept stack as a whole is not better than the baseline "
+                                                         f"({detail}); nothing was rolled back", step_id)
+
+    def attribute(self, kept: list[int]) -> None:
+        """Leave-one-out: each plugin the run kept, switched to its pre-images, against the whole stack."""
+        for sid in kept:
+            plugin_id = self.store.step(sid)["plugin"]
+            clashes = self.deployment.clashes(sid)
+            if clashes:
+                step_id = self.store.new_step(self.run.run_id, plugin_id, "done", kind="attribution")
+                self.store.finish_step(step_id, MEASURED, "not_separable",
+                                       f"later kept plugins changed the same files: {'; '.join(clashes)}")
+                self.reporter.outcome(label(self.store.step(step_id)), MEASURED, "not_separable", None)
+                continue
+            step_id, verdict = self.measure_switch(plugin_id, "attribution", [(f, f) for f in self.deployment.files(sid)],
+                                                   "leave-one-out")
+            if verdict is None:
+                continue
+            self.record(step_id, verdict, None, f"contribution of {plugin_id} to the stack: {describe(verdict.decision)}")
+
+    # decisions measured in another environment
+    def reverify(self) -> None:
+        """Re-judge each kept plugin whose decision was measured under another fingerprint: its pre-images
+        against its post-images, interleaved; keep it (re-recorded under this environment) or roll it back."""
+        from orchestrator.fingerprint import describe as describe_change, is_stale
+        from orchestrator.measure import fingerprint
+        current = fingerprint()
+        by_id = {p.id: p for p in self.plugins}
+        for plugin_id, row in self.deployment.rows().items():
+            sid = row["step_id"]
+            recorded = self.store.fingerprint_of(sid)
+            if recorded is None or current is None or not is_stale(recorded, current):
+                continue
+            why = describe_change(recorded, current)
+            plugin = by_id.get(plugin_id)
+            problem = None
+            if plugin is None:
+                problem = ("not_applicable", "its plugin folder is gone")
+            elif changed := self.deployment.drifted(sid):
+                problem = ("files_changed", f"files changed since it was kept: {', '.join(changed)}")
+            elif clashes := self.deployment.clashes(sid):
+                problem = ("not_separable", f"later kept plugins changed the same files: {'; '.join(clashes)}")
+            if problem:
+                step_id = self.store.new_step(self.run.run_id, plugin_id, "done", params=loads(row["params"]),
+                                              kind="reverify")
+                self.store.finish_step(step_id, "skipped", problem[0], f"stale ({why}) but {problem[1]}")
+                self.reporter.outcome(plugin_id, "skipped", problem[0], None)
+                continue
+            self.rejudge(plugin, row, why)
+
+    def rejudge(self, plugin: Plugin, row: dict, why: str) -> None:
+        params = loads(row["params"])
+        step_id = self.switch_step(plugin.id, "reverify", [(f, f) for f in self.deployment.files(row["step_id"])],
+                                   params)
+        policy = self.run.project.policy.merged(plugin.manifest.accept)
+        self.reporter.phase(plugin.id, "re-verify")
+        try:
+            verdict = self.compare(step_id, policy, plugin.id)
+        except ArmFailed as e:
+            self.store.finish_step(step_id, MEASURED, e.reason, f"stale ({why}); re-verification failed, left kept: {e}")
+            return
+        d = verdict.decision
+        vetoes = guardrail_vetoes(policy, verdict)
+        self.measurer.record(verdict, policy, vetoes)
+        detail = f"re-judged after {why}: {describe(d)}"
+        outcome, reason = decide.outcome(d, vetoes, policy)
+        if outcome == "kept":
+            self.deployment.replace(plugin.id, row, step_id, "reverified", detail, **numbers(verdict))
+            self.reporter.outcome(plugin.id, "kept", "reverified", d.gain)
+            return
+        self.journal.show(step_id, "post")
+        self.run.undo_steps(plugin, params, step_id)
+        dependents = [p.id for p in self.plugins if plugin.id in p.manifest.requires and p.id in self.deployment]
+        self.deployment.remove(plugin.id, step_id, reason,
+                               detail + ("; vetoed: " + "; ".join(vetoes) if vetoes else ""), **numbers(verdict))
+        if dependents:
+            self.store.event(self.run.run_id, "warning", f"{plugin.id} rolled back; still kept although they require "
+                                                         f"it: {', '.join(dependents)}", step_id)
+        self.reporter.outcome(plugin.id, "rolled_back", reason, d.gain)

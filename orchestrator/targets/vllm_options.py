@@ -1,0 +1,218 @@
+"""The `vllm serve` options an installed vLLM accepts, read from its source with `ast`, never imported
+(importing vLLM initialises CUDA and takes seconds, and a patched tree must be read as it is on disk).
+
+Options are the long names its argument parser is built with: the literal ``--name`` strings of
+``add_argument`` calls in ``engine/arg_utils.py`` (EngineArgs, AsyncEngineArgs) and in the serve
+entry points, plus the fields of the frontend dataclasses, whose options are added in a loop. The
+``EngineArgs`` dataclass fields are read too (every serve option but the frontend's is one). For an
+option taking a JSON config (``compilation-config``) the fields of its class are its nested keys.
+
+Plugins use the command line as a precondition and as a check:
+
+    python -m orchestrator.targets.vllm_options has max-num-seqs async-scheduling   # exit 1 naming what is missing
+    python -m orchestrator.targets.vllm_options check serve.yaml                     # every key is an option
+    python -m orchestrator.targets.vllm_options list                                 # JSON
+
+The package is ``--package``, else ``$ORCHESTRATOR_ROOT_VLLM`` (the vllm target's root), else the
+vllm this interpreter would import.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# files (relative to the package) whose argument parsers make up `vllm serve`, across versions
+PARSER_FILES = ("engine/arg_utils.py", "entrypoints/openai/cli_args.py", "entrypoints/common/cli_args.py",
+                "entrypoints/cli/serve.py", "entrypoints/cli/main.py")
+ENGINE_ARGS = ("EngineArgs", "AsyncEngineArgs")
+# options whose value is a JSON object of a config class's fields
+NESTED = {"compilation-config": "CompilationConfig"}
+
+
+def normalize(key: str) -> str:
+    """A serve-config key as vLLM's parser reads it: `--` stripped, underscores as dashes."""
+    return key.strip().removeprefix("--").replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    package: Path
+    version: str | None
+    options: frozenset[str]  # long option names, without "--"
+    engine_fields: frozenset[str]  # EngineArgs / AsyncEngineArgs field names
+    nested: dict[str, frozenset[str]] = field(default_factory=dict)  # option -> its config class's fields
+
+    @property
+    def where(self) -> str:
+        return f"vLLM {self.version or '(version unknown)'} at {self.package}"
+
+    def missing(self, key: str) -> str | None:
+        """Why ``key`` (``name`` or ``name.field`` for a nested config) is not a serve option here, or
+        None when it is."""
+        name, _, sub = key.partition(".")
+        name = normalize(name)
+        if name not in self.options:
+            close = difflib.get_close_matches(name, sorted(self.options), n=3, cutoff=0.75)
+            hint = f" (it has {', '.join('--' + c for c in close)})" if close else ""
+            return f"{self.where} has no serve option --{name}{hint}"
+        if sub:
+            fields = self.nested.get(name)
+            if fields is None:
+                return f"{self.where}: cannot read the fields of --{name} from its source"
+            if sub not in fields:
+                return f"{self.where}: --{name} has no field {sub!r}"
+        return None
+
+    def to_json(self) -> dict:
+        return {"package": str(self.package), "version": self.version, "options": sorted(self.options),
+                "engine_fields": sorted(self.engine_fields),
+                "nested": {k: sorted(v) for k, v in self.nested.items()}}
+
+
+class SourceError(Exception):
+    """The package's source cannot be read as a vLLM package."""
+
+
+def _parse(path: Path) -> ast.Module:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+        raise SourceError(f"cannot parse {path}: {exc}") from None
+
+
+def _class_fields(tree: ast.Module, names: tuple[str, ...] | str) -> set[str]:
+    """Annotated attributes in the bodies of the classes named ``names`` (or matching the regex)."""
+    match = (lambda n: n in names) if isinstance(names, tuple) else re.compile(names).fullmatch
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and match(node.name):
+            found |= {s.target.id for s in node.body
+                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    return found
+
+
+def _option_literals(tree: ast.Module) -> set[str]:
+    """Every ``--name`` given as a literal positional argument of an ``add_argument`` call."""
+    found = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"):
+            found |= {a.value[2:] for a in node.args
+                      if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")}
+    return found
+
+
+def version_of(package: Path) -> str | None:
+    """From ``vllm/_version.py`` (setuptools-scm), else a ``vllm-X.dist-info`` beside the package."""
+    path = package / "_version.py"
+    if path.is_file():
+        found = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", path.read_text(), re.M)
+        if found:
+            return found.group(1)
+    infos = sorted(package.parent.glob("vllm-*.dist-info"))
+    return infos[-1].name[len("vllm-"):-len(".dist-info")] if infos else None
+
+
+def read(package: Path) -> ServeOptions:
+    """The serve options of the vLLM package folder ``package``."""
+    package = Path(package)
+    arg_utils = package / PARSER_FILES[0]
+    if not arg_utils.is_file():
+        raise SourceError(f"{package} holds no {PARSER_FILES[0]}: not a vLLM package folder")
+    options: set[str] = set()
+    engine_fields: set[str] = set()
+    for rel in PARSER_FILES:
+        path = package / rel
+        if not path.is_file():
+            continue
+        tree = _parse(path)
+        options |= _option_literals(tree)
+        if rel == PARSER_FILES[0]:
+            engine_fields = _class_fields(tree, ENGINE_ARGS)
+        else:  # the frontend's options are added in a loop over its dataclass's fields
+            options |= {normalize(f) for f in _class_fields(tree, r".*FrontendArgs")}
+    nested = {}
+    for option, cls in NESTED.items():
+        if option in options and (fields := _config_class_fields(package, cls)):
+            nested[option] = frozenset(fields)
+    return ServeOptions(package, version_of(package), frozenset(normalize(o) for o in options),
+                        frozenset(engine_fields), nested)
+
+
+def _config_class_fields(package: Path, cls: str) -> set[str]:
+    candidates = [package / "config.py", *sorted((package / "config").glob("*.py"))]
+    for path in candidates:
+        if path.is_file() and f"class {cls}" in path.read_text(encoding="utf-8", errors="replace"):
+            if fields := _class_fields(_parse(path), (cls,)):
+                return fields
+    return set()
+
+
+def config_keys(path: Path) -> list[str]:
+    """The keys of a `vllm serve --config` YAML, nested ones of JSON-config options as ``name.field``."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise SourceError(f"{path}: expected a mapping of `vllm serve` options")
+    keys = []
+    for key, value in data.items():
+        keys.append(str(key))
+        if normalize(str(key)) in NESTED:
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    continue
+            if isinstance(value, dict):
+                keys += [f"{key}.{sub}" for sub in value]
+    return keys
+
+
+def default_package() -> Path:
+    if root := os.environ.get("ORCHESTRATOR_ROOT_VLLM"):
+        return Path(root)
+    from orchestrator.targets.vllm import find_package
+
+    return find_package()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.targets.vllm_options",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--package", type=Path, help="the vllm package folder (default: $ORCHESTRATOR_ROOT_VLLM, "
+                   "else the vllm this Python would import)")
+    sub = p.add_subparsers(dest="command", required=True)
+    has = sub.add_parser("has", help="exit 0 when every KEY is a serve option, else 1 saying which is not")
+    has.add_argument("keys", nargs="+", metavar="KEY", help="e.g. max-num-seqs or compilation-config.cudagraph_mode")
+    check = sub.add_parser("check", help="exit 0 when every key of a serve config is a serve option")
+    check.add_argument("config", type=Path)
+    sub.add_parser("list", help="print the options as JSON")
+    args = p.parse_args(argv)
+    try:
+        options = read(args.package or default_package())
+        if args.command == "list":
+            print(json.dumps(options.to_json()))
+            return 0
+        keys = args.keys if args.command == "has" else config_keys(args.config)
+    except Exception as exc:  # noqa: BLE001 - any failure to read is a clear "no" for a precondition
+        print(f"cannot read vLLM's serve options: {exc}", file=sys.stderr)
+        return 1
+    problems = [why for key in keys if (why := options.missing(key))]
+    for why in problems:
+        print(why, file=sys.stderr)
+    if not problems:
+        what = "its keys are" if args.command == "check" else ", ".join("--" + normalize(k) for k in keys) + " are"
+        print(f"{options.where}: {what} serve options")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""vLLM's serve options read from its source with ast (never imported), on the real 0.10.2 and the
+newest release, and the command line the vLLM-serve plugins use as precondition, verify and rollback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.targets import vllm_options
+from vllm_source import PINNED, REPO
+
+SERVE_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-prefix-caching", "async-scheduling",
+              "kv-cache-dtype", "gpu-memory-utilization", "compilation-config", "model", "served-model-name",
+              "host", "port", "load-format", "max-model-len")
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.targets.vllm_options", *args],
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_pinned_release(vllm_pinned):
+    options = vllm_options.read(vllm_pinned)
+    assert options.version == PINNED
+    for key in SERVE_KEYS + ("cuda-graph-sizes", "max-seq-len-to-capture", "disable-log-requests"):
+        assert options.missing(key) is None, key
+    assert "max-cudagraph-capture-size" not in options.options  # 0.10.x captures cuda-graph-sizes instead
+    assert options.missing("max_cudagraph_capture_size").startswith(f"vLLM {PINNED} at {vllm_pinned} has no serve "
+                                                                     "option --max-cudagraph-capture-size")
+    assert {"max_num_seqs", "async_scheduling", "cuda_graph_sizes"} <= options.engine_fields
+    assert "cudagraph_capture_sizes" in options.nested["compilation-config"]
+    assert "vllm" not in sys.modules
+
+
+def test_newest_release(vllm_newest):
+    options = vllm_options.read(vllm_newest)
+    assert options.version and options.version != PINNED
+    for key in SERVE_KEYS + ("max-cudagraph-capture-size", "cudagraph-capture-sizes",
+                             "compilation-config.max_cudagraph_capture_size", "compilation-config.cudagraph_mode"):
+        assert options.missing(key) is None, key
+    assert "no field 'no_such_field'" in options.missing("compilation-config.no_such_field")
+    assert "vllm" not in sys.modules
+
+
+def test_every_option_is_a_real_argument(vllm_pinned, vllm_newest):
+    """The literal names are exactly what the parser is built with: every EngineArgs field of 0.10.2
+    has its option, and nothing that is not an option name slips in."""
+    for package in (vllm_pinned, vllm_newest):
+        options = vllm_options.read(package)
+        assert all(o and not o.startswith("-") and o == o.lower() and " " not in o for o in options.options)
+        assert len(options.options) > 150
+    pinned = vllm_options.read(vllm_pinned)
+    assert {f.replace("_", "-") for f in pinned.engine_fields} <= pinned.options
+
+
+def test_command_line_has_check_and_list(vllm_pinned, tmp_path):
+    ok = cli("--package", str(vllm_pinned), "has", "max-num-seqs", "async_scheduling")
+    assert ok.returncode == 0 and "--max-num-seqs, --async-scheduling are serve options" in ok.stdout
+    missing = cli("has", "max-num-seqs", "max-cudagraph-capture-size", ORCHESTRATOR_ROOT_VLLM=str(vllm_pinned))
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == (f"vLLM {PINNED} at {vllm_pinned} has no serve option "
+                                      "--max-cudagraph-capture-size")
+    serve = tmp_path / "serve.yaml"
+    serve.write_text("model: m\nmax-num-seqs: 8\ncompilation-config: {cudagraph_mode: FULL}\n")
+    assert cli("--package", str(vllm_pinned), "check", str(serve)).returncode == 0
+    serve.write_text("model: m\nmax-num-seqs: 8\nmax-cudagraph-capture-size: 512\n"
+                     "compilation-config: '{\"no_such_field\": 1}'\n")
+    bad = cli("--package", str(vllm_pinned), "check", str(serve))
+    assert bad.returncode == 1
+    assert "--max-cudagraph-capture-size" in bad.stderr and "no field 'no_such_field'" in bad.stderr
+    listed = json.loads(cli("--package", str(vllm_pinned), "list").stdout)
+    assert listed["version"] == PINNED and "max-num-seqs" in listed["options"]
+
+
+def test_not_a_vllm_package_is_a_clear_no(tmp_path):
+    result = cli("--package", str(tmp_path), "has", "max-num-seqs")
+    assert result.returncode == 1
+    assert f"{tmp_path} holds no engine/arg_utils.py: not a vLLM package folder" in result.stderr
+
+
+@pytest.mark.parametrize("key, normal", [("--max_num_seqs", "max-num-seqs"), ("kv-cache-dtype", "kv-cache-dtype")])
+def test_keys_are_read_as_vllm_reads_them(key, normal):
+    assert vllm_options.normalize(key) == normal
