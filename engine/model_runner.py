@@ -58,6 +58,7 @@ class ModelRunner:
             self._blocks_for(fixed_budget, "kv-cache-memory")
         self.kernels = select_kernels(config, self.device, self.dtype)
         self.staging = HostStaging(self.device)
+        self.decode_graphs: DecodeGraphs | None = None  # captured last; the profiling step runs eager
         with _defaults(self.device, self.dtype):
             self.model = Qwen3MoeForCausalLM(cfg, self.kernels)
         self.model.requires_grad_(False)
@@ -80,7 +81,6 @@ class ModelRunner:
         self._allocate_cache(self.num_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self._block_bytes() / GIB)
-        self.decode_graphs: DecodeGraphs | None = None
         self.graphs_off_reason = self._capture_decode_graphs()
 
     # ------------------------------------------------------------------ memory
