@@ -5,11 +5,11 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 import kernels
 from engine.model_config import ModelConfig, ModelConfigError, resolve_model
@@ -40,64 +40,76 @@ def _alias(name: str) -> str:
 
 
 VariantChain = Union[str, list[str]]
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, alias_generator=_alias, frozen=True)
+def _key(kind, default, **rules):
+    """A serve-config key: its kind (a type, or a tuple of allowed values), default and rules
+    (bounds ``ge``, ``gt``, ``le``; ``optional``: None allowed; ``check``: value -> problem or None)."""
+    return field(default=default, metadata={"kind": kind, **rules})
 
-    model: str = "tiny"
-    num_layers: int | None = Field(None, ge=1)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    device: str = "auto"
-    seed: int = 0
 
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    kv_cache_memory: int | None = Field(None, ge=1)
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = Field(None, ge=1)  # None: the model's max_position_embeddings
+def _device(v: str) -> str | None:
+    head, _, index = v.partition(":")
+    if head not in ("auto", "cpu", "cuda") or (index and (head != "cuda" or not index.isdigit())):
+        return f"expected auto, cpu, cuda or cuda:N, got {v!r}"
+    return None
 
-    attention_decode: VariantChain = "v1"
-    attention_decode_long: VariantChain = "v2"
-    decode_long_threshold: int = Field(8192, ge=1)
-    attention_prefill: VariantChain = "pregather"
-    prefill_block_m: int = Field(64, ge=1)
-    prefill_block_n: int = Field(64, ge=1)
-    prefill_num_warps: int = Field(4, ge=1)
-    moe_dispatch: VariantChain = "sorted"
-    gdn_prefill: VariantChain = "chunk"  # Gated DeltaNet layers (hybrid models only)
-    gdn_decode: VariantChain = "recurrent"
-    rms_norm: VariantChain = "torch"  # residual add + RMSNorm
-    qk_norm_rope: VariantChain = "torch"  # per-head q/k RMSNorm + rotary embedding
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs; ignored on the CPU
 
-    _source: str = PrivateAttr("<dict>")
-    _model: ModelConfig | None = PrivateAttr(None)
+def _power_of_two(v: int) -> str | None:
+    if v < 1 or v > 512 or v & (v - 1):
+        return f"must be a power of two up to 512, got {v}"
+    return None
 
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        head, _, index = v.partition(":")
-        if head not in ("auto", "cpu", "cuda") or (index and (head != "cuda" or not index.isdigit())):
-            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {v!r}")
-        return v
 
-    @field_validator("block_size")
-    @classmethod
-    def _block_size(cls, v: int) -> int:
-        if v < 1 or v > 512 or v & (v - 1):
-            raise ValueError(f"must be a power of two up to 512, got {v}")
-        return v
+@dataclass(frozen=True)
+class EngineConfig:
+    """One serve config, checked by ``load_config``. A plain dataclass, so the engine and its GPU
+    reports need nothing beyond torch and PyYAML."""
 
-    @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch", "rms_norm",
-                     "qk_norm_rope", "gdn_prefill", "gdn_decode")
-    @classmethod
-    def _chain(cls, v: VariantChain) -> VariantChain:
-        if isinstance(v, list) and not v:
-            raise ValueError("an empty list names no variant")
-        return v
+    model: str = _key(str, "tiny")
+    num_layers: int | None = _key(int, None, ge=1, optional=True)
+    dtype: str = _key(DTYPES, "auto")
+    device: str = _key(str, "auto", check=_device)
+    seed: int = _key(int, 0)
+
+    max_num_seqs: int = _key(int, 256, ge=1)
+    max_num_batched_tokens: int = _key(int, 8192, ge=1)
+    gpu_memory_utilization: float = _key(float, 0.9, gt=0.0, le=1.0)
+    kv_cache_memory: int | None = _key(int, None, ge=1, optional=True)
+    block_size: int = _key(int, 16, check=_power_of_two)
+    enable_prefix_caching: bool = _key(bool, True)
+    max_model_len: int | None = _key(int, None, ge=1, optional=True)  # None: the model's max_position_embeddings
+
+    attention_decode: VariantChain = _key(VariantChain, "v1")
+    attention_decode_long: VariantChain = _key(VariantChain, "v2")
+    decode_long_threshold: int = _key(int, 8192, ge=1)
+    attention_prefill: VariantChain = _key(VariantChain, "pregather")
+    prefill_block_m: int = _key(int, 64, ge=1)
+    prefill_block_n: int = _key(int, 64, ge=1)
+    prefill_num_warps: int = _key(int, 4, ge=1)
+    moe_dispatch: VariantChain = _key(VariantChain, "sorted")
+    gdn_prefill: VariantChain = _key(VariantChain, "chunk")  # Gated DeltaNet layers (hybrid models only)
+    gdn_decode: VariantChain = _key(VariantChain, "recurrent")
+    rms_norm: VariantChain = _key(VariantChain, "torch")  # residual add + RMSNorm
+    qk_norm_rope: VariantChain = _key(VariantChain, "torch")  # per-head q/k RMSNorm + rotary embedding
+    cuda_graphs: bool = _key(bool, True)  # decode steps replayed from CUDA graphs; ignored on the CPU
+
+    # set by load_config (``_attach``): the file or "<dict>", the resolved model, the mapping read
+    _source: ClassVar[str] = "<dict>"
+    _model: ClassVar[ModelConfig | None] = None
+    _raw: ClassVar[dict[str, Any]] = {}
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting by field name (``max_num_seqs``), defaults included."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def updated(self, **update) -> EngineConfig:
+        """A copy with ``update`` (field names) applied, resolved model and source kept; unchecked,
+        like a field the caller computed itself."""
+        cfg = replace(self, **update)
+        _attach(cfg, self._source, self._model, {**self._raw, **{_alias(k): v for k, v in update.items()}})
+        return cfg
 
     # --- derived -----------------------------------------------------------------------------
     @property
@@ -157,7 +169,7 @@ def load_config(path_or_dict: str | Path | dict[str, Any] | EngineConfig,
     if isinstance(path_or_dict, EngineConfig):
         if not overrides:
             return path_or_dict
-        path_or_dict = path_or_dict.model_dump(by_alias=True, exclude_unset=True)
+        path_or_dict = dict(path_or_dict._raw)
     if isinstance(path_or_dict, dict):
         source, base_dir, raw = "<dict>", None, path_or_dict
     else:
@@ -175,27 +187,70 @@ def load_config(path_or_dict: str | Path | dict[str, Any] | EngineConfig,
         raise ConfigError(source, "-", f"expected a mapping of options, got {type(raw).__name__}")
     if overrides:
         raw = {**raw, **overrides}
+    values = _validate(raw, source)
     try:
-        cfg = EngineConfig.model_validate(raw)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = str(err["loc"][0]) if err["loc"] else "-"
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif err["type"] == "value_error":
-            msg = str(err["ctx"]["error"])
-        else:
-            msg = f"{err['msg']} (got {err['input']!r})"
-        raise ConfigError(source, key, msg) from None
-    try:
-        model = resolve_model(cfg.model, base_dir, cfg.num_layers)
+        model = resolve_model(values["model"], base_dir, values["num_layers"])
     except ModelConfigError as exc:
         raise ConfigError(source, exc.key, str(exc)) from None
-    if cfg.max_model_len is None:
-        cfg = cfg.model_copy(update={"max_model_len": model.max_position_embeddings})
-    cfg._source, cfg._model = source, model
+    if values["max_model_len"] is None:
+        values["max_model_len"] = model.max_position_embeddings
+    cfg = EngineConfig(**values)
+    _attach(cfg, source, model, raw)
     _check(cfg)
     return cfg
+
+
+def _attach(cfg: EngineConfig, source: str, model: ModelConfig, raw: dict[str, Any]) -> None:
+    """What a config knows beyond its keys: where it came from, its model, the mapping it was read from."""
+    object.__setattr__(cfg, "_source", source)
+    object.__setattr__(cfg, "_model", model)
+    object.__setattr__(cfg, "_raw", dict(raw))
+
+
+def _validate(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Field name -> value for every key, defaults filled in; ``ConfigError`` on the first bad key.
+    Types are strict, as YAML gives them: ``"4"`` is not an integer, ``true`` is not a number."""
+    known = {_alias(f.name): f for f in fields(EngineConfig)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(source, str(key), "unknown key")
+    values = {}
+    for key, f in known.items():
+        value = raw.get(key, f.default)
+        problem = _problem(f.metadata, value) if key in raw else None
+        if problem is not None:
+            raise ConfigError(source, key, problem)
+        if f.metadata["kind"] is float and value is not None:
+            value = float(value)
+        values[f.name] = list(value) if isinstance(value, list) else value
+    return values
+
+
+def _problem(rules: dict, value: Any) -> str | None:
+    """Why ``value`` does not fit a key's ``rules``, or None."""
+    kind = rules["kind"]
+    if value is None and rules.get("optional"):
+        return None
+    if kind is VariantChain:
+        if isinstance(value, list) and not value:
+            return "an empty list names no variant"
+        if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return f"Input should be a variant name or a list of them (got {value!r})"
+        return None
+    if isinstance(kind, tuple):
+        if value not in kind:
+            return f"Input should be {', '.join(map(repr, kind[:-1]))} or {kind[-1]!r} (got {value!r})"
+        return None
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, (int, float) if kind is float else kind):
+        name = {int: "a valid integer", float: "a valid number", bool: "a valid boolean", str: "a valid string"}[kind]
+        return f"Input should be {name} (got {value!r})"
+    for rule, words in (("ge", "greater than or equal to"), ("gt", "greater than"), ("le", "less than or equal to")):
+        bound = rules.get(rule)
+        if bound is not None and not (value >= bound if rule == "ge" else value > bound if rule == "gt"
+                                      else value <= bound):
+            return f"Input should be {words} {bound} (got {value!r})"
+    check = rules.get("check")
+    return check(value) if check is not None else None
 
 
 def _check(cfg: EngineConfig) -> None:

@@ -2,8 +2,11 @@
 
 A pure decode step (every scheduled sequence adds one token) is padded to the next of a few batch
 sizes ("buckets"). Its inputs live in static device buffers: token ids, positions, the cache slot
-each new K/V goes to, sequence lengths and block tables. Padding rows attend to one token of a
-scratch cache block that no sequence owns and write their K/V there, so they change nothing.
+each new K/V goes to, sequence lengths, block tables and, for a hybrid model, each sequence's Gated
+DeltaNet state slot. Padding rows attend to one token of a scratch cache block that no sequence
+owns and write their K/V there, and read and write a scratch state slot likewise, so they change
+nothing. A hybrid model's step is static only in steady state: a sequence computing its first
+token (its slot must be zeroed first) or a prefill chunk makes the step eager.
 The forward pass, the LM head and the greedy argmax read and write only those buffers, so on a
 GPU each bucket's step is captured once as a CUDA graph (all graphs share one memory pool) and
 replayed: one launch instead of thousands, and no host synchronisation until the sampled tokens
@@ -20,12 +23,13 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata, DecodeGroup
 from engine.scheduler import ScheduledSeq
+from engine.state_cache import decode_only
 
 log = logging.getLogger("engine")
 
 MAX_GRAPH_BATCH = 512
 # rows of the packed per-step metadata
-IDS, POSITIONS, SLOT_BLOCKS, SLOT_OFFSETS, SEQ_LENS = range(5)
+IDS, POSITIONS, SLOT_BLOCKS, SLOT_OFFSETS, SEQ_LENS, STATE_SLOTS = range(6)
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -37,16 +41,18 @@ def bucket_sizes(max_rows: int) -> list[int]:
 class StaticDecodeInputs:
     """Device buffers a decode step reads, filled from pinned host buffers by two non-blocking
     copies: the per-row values (all rows, a few KiB), and the used columns of the block tables
-    (staged contiguously, so the copy moves only what this step's contexts need)."""
+    (staged contiguously, so the copy moves only what this step's contexts need).
+    ``scratch_state_slot``: a hybrid model's spare state slot (None: no Gated DeltaNet layers)."""
 
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, scratch_block: int,
-                 device: torch.device):
+                 device: torch.device, scratch_state_slot: int | None = None):
         pin = device.type == "cuda"
         self.max_rows, self.block_size, self.scratch_block = max_rows, block_size, scratch_block
-        self.host = torch.zeros(5, max_rows, dtype=torch.int64, pin_memory=pin)
+        self.scratch_state_slot = scratch_state_slot
+        self.host = torch.zeros(6, max_rows, dtype=torch.int64, pin_memory=pin)
         self.host_tables = torch.zeros(max_rows * max_blocks, dtype=torch.int32, pin_memory=pin)
         self._h, self._ht = self.host.numpy(), self.host_tables.numpy()
-        self.meta = torch.zeros(5, max_rows, dtype=torch.int64, device=device)
+        self.meta = torch.zeros(6, max_rows, dtype=torch.int64, device=device)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self._pad_rows(0, max_rows)
@@ -54,13 +60,15 @@ class StaticDecodeInputs:
         self.tables[:, 0] = scratch_block
 
     def _pad_rows(self, start: int, end: int) -> None:
-        """Rows ``start:end`` decode one token of the scratch block and write their K/V there."""
+        """Rows ``start:end`` decode one token of the scratch block and write their K/V there (and
+        their state to the scratch state slot)."""
         h = self._h
         h[IDS, start:end] = 0
         h[POSITIONS, start:end] = 0
         h[SLOT_BLOCKS, start:end] = self.scratch_block
         h[SLOT_OFFSETS, start:end] = 0
         h[SEQ_LENS, start:end] = 1
+        h[STATE_SLOTS, start:end] = self.scratch_state_slot or 0
 
     def fill(self, scheduled: list[ScheduledSeq], rows: int) -> None:
         """Row i decodes ``scheduled[i]``'s next token; rows past them are padding."""
@@ -75,6 +83,8 @@ class StaticDecodeInputs:
             h[SLOT_BLOCKS, i] = seq.block_table[pos // bs]
             h[SLOT_OFFSETS, i] = pos % bs
             h[SEQ_LENS, i] = pos + 1
+            if self.scratch_state_slot is not None:
+                h[STATE_SLOTS, i] = seq.state_slot
             used = pos // bs + 1
             tables[i, :used] = seq.block_table[:used]
         self._pad_rows(len(scheduled), rows)
@@ -84,9 +94,10 @@ class StaticDecodeInputs:
 
     def metadata(self, rows: int) -> AttentionMetadata:
         m = self.meta
+        state = None if self.scratch_state_slot is None else decode_only(m[STATE_SLOTS, :rows])
         return AttentionMetadata(slot_blocks=m[SLOT_BLOCKS, :rows], slot_offsets=m[SLOT_OFFSETS, :rows],
                                  decode=DecodeGroup(0, rows, self.tables[:rows], m[SEQ_LENS, :rows]),
-                                 decode_long=None, prefill=None)
+                                 decode_long=None, prefill=None, state=state)
 
 
 class DecodeGraphs:
@@ -94,11 +105,11 @@ class DecodeGraphs:
     graph per bucket when ``capture`` (a GPU), else eagerly through the same code."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_blocks: int, block_size: int,
-                 scratch_block: int, device: torch.device, capture: bool):
+                 scratch_block: int, device: torch.device, capture: bool, scratch_state_slot: int | None = None):
         self.model = model
         self.buckets = bucket_sizes(max_rows)
         self.max_rows = max_rows
-        self.inputs = StaticDecodeInputs(max_rows, max_blocks, block_size, scratch_block, device)
+        self.inputs = StaticDecodeInputs(max_rows, max_blocks, block_size, scratch_block, device, scratch_state_slot)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # decode steps run on the static buffers
         self.replays = 0  # of which replayed from a graph

@@ -1,24 +1,31 @@
 """One command for the engine's speed work on one GPU: correctness first, then the figures.
 
-    python -m engine.gpu_report [--layers 40] [--full-workload] [--sections checks,graphs,decode,moe,engine]
+    python -m engine.gpu_report [--model qwen3.6-35b-a3b-dense] [--layers 40] [--full-workload]
+                                [--sections checks,graphs,decode,moe,engine]
 
-In order, each section printed as soon as it is done (a run cut short keeps what it finished):
+``--model``: ``qwen3.6-35b-a3b`` (the default: the hybrid model, 30 Gated DeltaNet and 10 attention
+layers) or ``qwen3.6-35b-a3b-dense`` (every layer attention). In order, each section printed as soon
+as it is done (a run cut short keeps what it finished):
 
-1. ``checks``: every kernel the fast decode path runs (v2_triton, MoE triton, the fused norms, and
-   their torch fallbacks) against the float64 reference, bf16 and fp16 (``kernels.check``).
-2. ``graphs``: greedy tokens with and without CUDA graphs on the ``small`` preset (float32; add
-   bf16 with ``--graph-dtypes``; prefix caching off): graph replay against the same static step run
-   eagerly (must be identical) and against the plain eager engine.
+1. ``checks``: every kernel the fast decode path runs (v2_triton, MoE triton, the fused norms, the
+   Gated DeltaNet kernels of a hybrid model, and their torch fallbacks) against the float64
+   reference, bf16 and fp16 (``kernels.check``).
+2. ``graphs``: greedy tokens with and without CUDA graphs (float32; add bf16 with
+   ``--graph-dtypes``; prefix caching off) on the ``small`` preset and on the first
+   ``--graph-layers`` layers of ``--model`` (for the hybrid model: three Gated DeltaNet layers and
+   an attention layer, state slots in the captured step): graph replay against the same static
+   step run eagerly (must be identical) and against the plain eager engine.
 3. ``decode``: v2_triton's share of the copy bandwidth at batch 32 and 128, contexts 4K and 8K, over
    a short sweep of its launch parameters.
 4. ``moe``: MoE triton against the weight-streaming floor and ``torch._grouped_mm``, 1 to 16,384
    tokens, default and best of a few launch configurations.
-5. ``engine``: Qwen3.6-35B-A3B dimensions (``--layers`` of them): kernels launched per decode step
-   and the GPU-busy share of a step at batch 128 (torch.profiler), graphs off and on; then output
-   tok/s on 200 x (1,000 in, 200 out), graphs on and off (``--full-workload``: 200 x (1,000 in,
-   2,000 out), graphs on only; about 4-5 minutes alone).
+5. ``engine``: ``--model`` (``--layers`` of its layers): kernels launched per decode step and the
+   GPU-busy share of a step at batch 128 (torch.profiler), graphs off and on; then output tok/s on
+   200 x (1,000 in, 200 out), graphs on and off (``--full-workload``: 200 x (1,000 in, 2,000 out),
+   graphs on only; about 4-5 minutes alone).
 
-The last lines are a compact table; every figure also goes to ``$OUT/gpu_report.json`` when OUT is set.
+It imports nothing beyond torch, Triton, NumPy, PyYAML and the project. The last lines are a compact
+table; every figure also goes to ``$OUT/gpu_report.json`` when OUT is set.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,13 +70,21 @@ def _ms(fn, graph: bool = False) -> float | None:
 
 
 # ---------------------------------------------------------------- 1. kernel checks
+MODELS = ("qwen3.6-35b-a3b", "qwen3.6-35b-a3b-dense")
 CHECKED = [("paged_decode", "v2_triton"), ("moe", "triton"), ("rms_norm", "triton"), ("qk_norm_rope", "triton"),
            ("rms_norm", "torch"), ("qk_norm_rope", "torch"), ("moe", "grouped_mm")]
+CHECKED_HYBRID = [("gated_delta_rule", "triton_recurrent"), ("gated_delta_rule", "triton_chunk"),
+                  ("gated_delta_rule", "recurrent")]
+
+
+def _hybrid(model: str) -> bool:
+    from engine.model_config import PRESETS
+    return PRESETS[model].is_hybrid
 
 
 def section_checks(args) -> None:
     rows = []
-    for op, variant in CHECKED:
+    for op, variant in CHECKED + (CHECKED_HYBRID if _hybrid(args.model) else []):
         for dtype in (torch.bfloat16, torch.float16):
             r = check.run(op, variant, "cuda", dtype)
             rows.append(r)
@@ -81,7 +97,8 @@ def section_checks(args) -> None:
 
 # ---------------------------------------------------------------- 2. greedy tokens with and without graphs
 FAST = {"attention-decode": ["v2_triton"], "attention-decode-long": ["v2_triton"], "attention-prefill": ["triton"],
-        "moe-dispatch": ["triton"], "rms-norm": ["triton"], "qk-norm-rope": ["triton"]}
+        "moe-dispatch": ["triton"], "rms-norm": ["triton"], "qk-norm-rope": ["triton"],
+        "gdn-prefill": ["triton_chunk"], "gdn-decode": ["triton_recurrent"]}
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -89,40 +106,56 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length + 7 * i % 29,), generator=g).tolist() for i in range(n)]
 
 
+def _graph_models(args) -> list[tuple[str, dict]]:
+    """(label, config keys) of the models the graphs section checks."""
+    if args.device == "cpu":  # a smoke run: the tiny presets, every kernel on its torch variant
+        return [(name, {"model": name, "device": "cpu"}) for name in ("tiny", SMOKE_MODELS[args.model])]
+    return [("small", {"model": "small", "device": "cuda", **FAST}),
+            (f"{args.model} x {args.graph_layers} layers",
+             {"model": args.model, "num-layers": args.graph_layers, "device": "cuda", **FAST})]
+
+
 def section_graphs(args) -> None:
+    """On the CPU nothing is captured: the "graphs" run goes through the same static steps eagerly."""
     from engine import LLM
     out = {}
     for dtype in args.graph_dtypes.split(","):
-        cfg = {"model": "small", "device": "cuda", "dtype": dtype, "max-model-len": 1024, "max-num-seqs": 64,
-               "kv-cache-memory": 1 << 30, "enable-prefix-caching": False, "cuda-graphs": True, **FAST}
-        llm = LLM(cfg)
-        runner = llm.engine.model_runner
-        prompts = _prompts(24, 40, 4096, 5)
-        graphs = runner.decode_graphs
-        if graphs is None:
-            summary(f"graphs, small preset {dtype}", f"not captured: {runner.graphs_off_reason}")
+        for name, model in _graph_models(args):
+            label = f"{name}, {dtype}"
+            cfg = {**model, "dtype": dtype, "max-model-len": 1024, "max-num-seqs": 64, "kv-cache-memory": 1 << 30,
+                   "enable-prefix-caching": False, "cuda-graphs": True}
+            llm = LLM(cfg)
+            runner = llm.engine.model_runner
+            if args.device == "cpu":
+                runner.use_static_decode(capture=False)
+            graphs = runner.decode_graphs
+            if graphs is None:
+                summary(f"graphs, {label}", f"NOT CAPTURED: {runner.graphs_off_reason}", "captured")
+                llm.close()
+                continue
+            prompts = _prompts(args.sizes.graph_prompts, 40, llm.engine.config.vocab_size, 5)
+            steps = args.sizes.graph_tokens
+            with_graphs = llm.generate(prompts, steps)
+            replays, static_steps = graphs.replays, graphs.steps
+            runner.decode_graphs = None
+            eager = llm.generate(prompts, steps)
+            runner.use_static_decode(capture=False)
+            static = llm.generate(prompts, steps)
+            same_static = with_graphs == static
+            tokens = sum(map(len, eager))
+            same = sum(a == b for e, g in zip(eager, with_graphs) for a, b in zip(e, g))
+            first = min((next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), len(e))
+                         for e, g in zip(eager, with_graphs)), default=0)
+            out[label] = dict(replays=replays, static_steps=static_steps, identical_to_static_eager=same_static,
+                              identical_to_eager=with_graphs == eager, tokens=tokens, same_tokens=same,
+                              first_divergence=first, hybrid=llm.engine.config.hf.is_hybrid)
+            summary(f"greedy tokens, graphs ({replays} replays of {static_steps} steps) vs the same static step "
+                    f"eager ({label})", "identical" if same_static else "DIFFER", "identical")
+            summary(f"greedy tokens, graphs vs plain eager ({label})",
+                    "identical" if with_graphs == eager else f"{same}/{tokens} same, first divergence at token {first}",
+                    "identical")
+            del runner, graphs
             llm.close()
-            continue
-        with_graphs = llm.generate(prompts, 48)
-        replays = graphs.replays
-        runner.decode_graphs = None
-        eager = llm.generate(prompts, 48)
-        runner.use_static_decode(capture=False)
-        static = llm.generate(prompts, 48)
-        same_static = with_graphs == static
-        tokens = sum(map(len, eager))
-        same = sum(a == b for e, g in zip(eager, with_graphs) for a, b in zip(e, g))
-        first = min((next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), len(e))
-                     for e, g in zip(eager, with_graphs)), default=0)
-        out[dtype] = dict(replays=replays, identical_to_static_eager=same_static, identical_to_eager=with_graphs == eager,
-                          tokens=tokens, same_tokens=same, first_divergence=first)
-        summary(f"greedy tokens, graphs vs the same static step eager ({dtype})",
-                "identical" if same_static else "DIFFER", "identical")
-        summary(f"greedy tokens, graphs vs plain eager ({dtype})",
-                "identical" if with_graphs == eager else f"{same}/{tokens} same, first divergence at token {first}",
-                "identical")
-        del runner, graphs
-        llm.close()
     RESULTS["graphs"] = out
 
 
@@ -215,23 +248,27 @@ def _busy_us(intervals) -> float:
 
 def _steady_decode(engine, batch: int, prompt_len: int, seed: int) -> None:
     for p in _prompts(batch, prompt_len, engine.config.vocab_size, seed):
-        engine.add_request(p, 3000)
+        engine.add_request(p, engine.config.max_model_len - len(p))  # never finishing while measured
     while any(s.num_computed_tokens < len(s) - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
 
 
 def _profile_steps(engine, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
+    cuda = engine.model_runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = (time.perf_counter() - t0) / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    intervals = _kernel_intervals(prof)
+    intervals = []
+    if cuda:  # a smoke run on the CPU times the steps only
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        intervals = _kernel_intervals(prof)
     busy = _busy_us(intervals) / 1e3 / steps
     return dict(kernels_per_step=len(intervals) / steps, wall_ms=wall * 1e3, gpu_busy_ms=busy,
                 busy_fraction=busy / (wall * 1e3))
@@ -253,28 +290,48 @@ def _throughput(engine, num_prompts: int, input_len: int, output_len: int, seed:
                 output_tok_s=generated / elapsed, input_tok_s=num_prompts * input_len / elapsed)
 
 
+def _engine_config(args) -> dict:
+    if args.device == "cpu":
+        return {"model": SMOKE_MODELS[args.model], "device": "cpu", "dtype": "float32", "max-model-len": 256,
+                "max-num-seqs": 8, "max-num-batched-tokens": 256, "kv-cache-memory": 1 << 24,
+                "enable-prefix-caching": False}
+    return {"model": args.model, "num-layers": args.layers, "device": "cuda", "dtype": "bfloat16",
+            "max-model-len": 4096, "max-num-seqs": 256, "max-num-batched-tokens": 32768,
+            "gpu-memory-utilization": 0.9, "cuda-graphs": True, "enable-prefix-caching": False, **FAST}
+
+
+def _graphs_state(runner) -> str:
+    graphs = runner.decode_graphs
+    if graphs is None:
+        return f"NOT CAPTURED: {runner.graphs_off_reason}"
+    return f"captured for {len(graphs.graphs)} batch sizes" if graphs.graphs else "static steps run eagerly (CPU)"
+
+
 def section_engine(args) -> None:
     from engine.llm_engine import LLMEngine
-    cfg = {"model": "qwen3.6-35b-a3b", "num-layers": args.layers, "device": "cuda", "dtype": "bfloat16",
-           "max-model-len": 4096, "max-num-seqs": 256, "max-num-batched-tokens": 32768,
-           "gpu-memory-utilization": 0.9, "cuda-graphs": True, "enable-prefix-caching": False, **FAST}
+    z = args.sizes
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg)
+    engine = LLMEngine(_engine_config(args))
     runner = engine.model_runner
+    if args.device == "cpu":
+        runner.use_static_decode(capture=False)
     startup = time.perf_counter() - t0
     graphs = runner.decode_graphs
-    summary(f"engine start-up ({args.layers} layers, graphs captured)", f"{startup:.0f} s; kernels "
-            f"{engine.kernel_choice}; graphs: {'captured' if graphs else runner.graphs_off_reason}")
-    out = dict(layers=args.layers, startup_s=startup, kernel_choice=engine.kernel_choice,
+    kinds = engine.config.hf.layer_kinds
+    layers = len(kinds)
+    summary(f"engine start-up ({engine.config.model}, {layers} layers: {kinds.count('linear_attention')} Gated "
+            f"DeltaNet, {kinds.count('full_attention')} attention)", f"{startup:.0f} s; kernels "
+            f"{engine.kernel_choice}; graphs: {_graphs_state(runner)}")
+    out = dict(model=engine.config.model, layers=layers, startup_s=startup, kernel_choice=engine.kernel_choice,
                graphs_off_reason=runner.graphs_off_reason)
-    _steady_decode(engine, 128, 1000, seed=11)
+    _steady_decode(engine, z.decode_batch, z.prompt_len, seed=11)
     for label, g in (("eager", None), ("graphs", graphs)):
         if label == "graphs" and g is None:
             continue
         runner.decode_graphs = g
         prof = _profile_steps(engine, 5)
-        if g is not None:  # the GPU time of one replay alone, in case the profiler does not see into graphs
-            graph = g.graphs[g.bucket(128)]
+        if g is not None and g.graphs:  # the GPU time of one replay alone: the profiler may not see into graphs
+            graph = g.graphs[g.bucket(z.decode_batch)]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             times = []
             for _ in range(5):
@@ -286,48 +343,79 @@ def section_engine(args) -> None:
             prof["replay_ms"] = sorted(times)[2]
             prof["replay_busy_fraction"] = prof["replay_ms"] / prof["wall_ms"]
         out[f"decode_step_{label}"] = prof
-        summary(f"decode step at batch 128, {label}",
-                f"{prof['kernels_per_step']:.0f} kernels ({prof['kernels_per_step'] / args.layers:.1f}/layer), "
+        summary(f"decode step at batch {z.decode_batch}, {label}",
+                f"{prof['kernels_per_step']:.0f} kernels ({prof['kernels_per_step'] / layers:.1f}/layer), "
                 f"{prof['wall_ms']:.1f} ms wall, GPU busy {prof['gpu_busy_ms']:.1f} ms "
                 f"({100 * prof['busy_fraction']:.0f}%)"
                 + (f"; one replay {prof['replay_ms']:.1f} ms = {100 * prof['replay_busy_fraction']:.0f}% of the step"
-                   if g else ""), ">= 85% busy" if g else "<= 20 kernels/layer")
+                   if "replay_ms" in prof else ""), ">= 85% busy" if g else "<= 20 kernels/layer")
     for rid in list(engine._requests):
         engine.abort(rid)
-    runs = [("graphs", graphs, 2000 if args.full_workload else 200)]
+    runs = [("graphs", graphs, z.full_output_len if args.full_workload else z.output_len)]
     if not args.full_workload:
-        runs.append(("eager", None, 200))
+        runs.append(("eager", None, z.output_len))
     for label, g, output_len in runs:
         if label == "graphs" and g is None:
             continue
         runner.decode_graphs = g
-        r = _throughput(engine, 200, 1000, output_len, seed=21 if label == "graphs" else 22)
+        r = _throughput(engine, z.num_prompts, z.input_len, output_len, seed=21 if label == "graphs" else 22)
         out[f"throughput_{label}"] = r
-        summary(f"engine 200 x (1000 in, {output_len} out), {label}", f"{r['output_tok_s']:.0f} output tok/s "
-                f"({r['elapsed_s']:.1f} s)", ">= 5,000 on 200 x (1000 / 2000)" if label == "graphs" else "")
+        summary(f"engine {z.num_prompts} x ({z.input_len} in, {output_len} out), {label}",
+                f"{r['output_tok_s']:.0f} output tok/s ({r['elapsed_s']:.1f} s)",
+                ">= 5,000 on 200 x (1000 / 2000)" if label == "graphs" else "")
+    if graphs is not None:
+        out["static_steps"], out["replays"] = graphs.steps, graphs.replays
     runner.decode_graphs = graphs
     RESULTS["engine"] = out
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """Workload sizes: the real ones on a GPU, a few tokens for a smoke run on the CPU."""
+
+    graph_prompts: int = 24
+    graph_tokens: int = 48
+    decode_batch: int = 128
+    prompt_len: int = 1000
+    num_prompts: int = 200
+    input_len: int = 1000
+    output_len: int = 200
+    full_output_len: int = 2000
+
+
+SMOKE = Sizes(graph_prompts=3, graph_tokens=4, decode_batch=3, prompt_len=20, num_prompts=4, input_len=16,
+              output_len=4, full_output_len=6)
+SMOKE_MODELS = {"qwen3.6-35b-a3b": "tiny-hybrid", "qwen3.6-35b-a3b-dense": "tiny"}
 SECTIONS = ("checks", "graphs", "decode", "moe", "engine")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.gpu_report", description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
-    p.add_argument("--layers", type=int, default=40, help="engine section: layers of Qwen3.6-35B-A3B")
+    p.add_argument("--model", default=MODELS[0], choices=MODELS,
+                   help="the model of the graphs and engine sections (default: the hybrid one)")
+    p.add_argument("--layers", type=int, default=40, help="engine section: how many of the model's layers")
+    p.add_argument("--graph-layers", type=int, default=4,
+                   help="graphs section: the first layers of --model (4: three Gated DeltaNet and one attention)")
     p.add_argument("--graph-dtypes", default="float32",
                    help="graphs section: dtypes of the small-preset check (comma-separated, e.g. float32,bfloat16)")
     p.add_argument("--full-workload", action="store_true",
                    help="engine section: 200 x (1,000 in, 2,000 out) with graphs, instead of 200 out on and off")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke run of the graphs and engine sections on the tiny presets, a few tokens each")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_report needs a CUDA device", file=sys.stderr)
-        return 2
-    from kernels.h200_report import ceilings
-    props = torch.cuda.get_device_properties(0)
-    say(f"## {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     sections = args.sections.split(",")
+    if args.device == "cpu":
+        args.sizes = SMOKE
+        sections = [name for name in sections if name in ("graphs", "engine")]
+    else:
+        args.sizes = Sizes()
+        if not torch.cuda.is_available():
+            print("gpu_report needs a CUDA device (--device cpu: a smoke run)", file=sys.stderr)
+            return 2
+        props = torch.cuda.get_device_properties(0)
+        say(f"## {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    from kernels.h200_report import ceilings
     copy_gbps = mm_tflops = None
     if {"decode", "moe"} & set(sections):
         copy_gbps, mm_tflops = ceilings()
@@ -355,9 +443,11 @@ def main(argv=None) -> int:
             summary(f"section {name}", f"FAILED: {type(exc).__name__}: {str(exc)[:300]}")
         say(f"  ({time.perf_counter() - t0:.0f} s)")
         gc.collect()
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "gpu_report.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"summary": SUMMARY, **RESULTS}, indent=1, default=str))
     width = max(len(f) for f, _, _ in SUMMARY) if SUMMARY else 0
     say("\n## Summary")

@@ -65,11 +65,15 @@ class ModelRunner:
         self.model.init_weights(config.seed)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.linear_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
-        # one state slot per sequence that may run, allocated before the KV cache is sized
+        # one state slot per sequence that may run, and a scratch slot (the last) for the padding rows
+        # of static decode steps, allocated before the KV cache is sized
         self.num_state_slots = config.max_num_seqs if self.linear_layers else 0
-        state_bytes = allocate_states(self.linear_layers, self.num_state_slots, self.dtype, self.device)
+        self.scratch_state_slot = self.num_state_slots if self.linear_layers else None
+        state_bytes = allocate_states(self.linear_layers, self.num_state_slots + 1, self.dtype, self.device) \
+            if self.linear_layers else 0
         if self.linear_layers:
-            log.info("Gated DeltaNet state: %d slots (%.2f GiB)", self.num_state_slots, state_bytes / GIB)
+            log.info("Gated DeltaNet state: %d slots and a scratch one (%.2f GiB)", self.num_state_slots,
+                     state_bytes / GIB)
         if fixed_budget is None:
             self.num_blocks = self._blocks_for(self._profile_cache_budget(), "gpu-memory-utilization")
         else:
@@ -170,10 +174,14 @@ class ModelRunner:
         """Why decode steps cannot be captured with this model and the kernels chosen, or None."""
         if not getattr(self.model, "static_decode", False):  # e.g. per-sequence state outside the KV cache
             return f"{type(self.model).__name__} declares no static decode path (static_decode = True)"
-        for key in ("attention-decode", "moe-dispatch", "rms-norm", "qk-norm-rope"):
-            variant = self.kernels.choice[key]
-            if not kernels.graph_safe(KERNEL_KEYS[key], variant):
-                return f"{key} variant {variant} waits on the device (graph-safe: v2_triton, triton)"
+        keys = ["attention-decode", "moe-dispatch", "rms-norm", "qk-norm-rope"]
+        if self.linear_layers:
+            keys.append("gdn-decode")
+        for key in keys:
+            op, variant = KERNEL_KEYS[key], self.kernels.choice[key]
+            if not kernels.graph_safe(op, variant):
+                safe = ", ".join(kernels.graph_safe_variants(op))
+                return f"{key} variant {variant} waits on the device (graph-safe: {safe})"
         return None
 
     def use_static_decode(self, capture: bool) -> None:
@@ -181,12 +189,14 @@ class ModelRunner:
         ``capture`` (needs a GPU and graph-safe kernels), else eagerly through the same code."""
         self.decode_graphs = DecodeGraphs(
             self.model, min(self.config.max_num_seqs, MAX_GRAPH_BATCH), _cdiv(self.config.max_model_len, self.block_size),
-            self.block_size, self.num_blocks, self.device, capture)
+            self.block_size, self.num_blocks, self.device, capture, self.scratch_state_slot)
 
     def _static_decode_fits(self, scheduled: list[ScheduledSeq]) -> bool:
         graphs = self.decode_graphs
         if graphs is None or len(scheduled) > graphs.max_rows or any(s.num_new_tokens != 1 for s in scheduled):
             return False
+        if self.linear_layers and any(s.seq.num_computed_tokens == 0 for s in scheduled):
+            return False  # a one-token prompt: its state slot is zeroed first, eagerly
         if self.kernels.choice["attention-decode"] == self.kernels.choice["attention-decode-long"]:
             return True
         threshold = self.config.decode_long_threshold
@@ -251,7 +261,7 @@ class ModelRunner:
             decode_long=self._decode_group(scheduled, long_, len(short)),
             prefill=prefill_group,
             state=state_metadata([scheduled[i].seq for i in order], [scheduled[i].num_new_tokens for i in order],
-                                 len(short) + len(long_), self.device) if self.linear_layers else None)
+                                 len(short) + len(long_), self._tensor) if self.linear_layers else None)
         return self._tensor(ids, torch.int64), pos, meta, sample_rows
 
     @torch.no_grad()

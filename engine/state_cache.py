@@ -7,8 +7,10 @@ slot (of ``max-num-seqs``) from admission to finish or preemption, whatever its 
 zeroed when its sequence computes its first token, so a preempted sequence recomputes from scratch.
 
 The scheduler owns which sequence has which slot (``StateSlots``); each layer owns its state
-tensors, which the model runner allocates; ``StateMetadata`` tells one forward pass which rows read
-and write which slots.
+tensors, which the model runner allocates once (one row past the slots the scheduler hands out is a
+scratch slot, which padding rows of a static decode step read and write) and never moves, so a
+captured decode step keeps pointing at them; ``StateMetadata`` tells one forward pass which rows
+read and write which slots.
 
 Prefix caching stays off for hybrid models (``EngineConfig.prefix_caching``): the state after a
 cached prefix is not stored anywhere, and rebuilding it means running that prefix through every
@@ -17,6 +19,7 @@ layer again, which is all a cache hit would save.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,10 +62,12 @@ class StateMetadata:
     fresh_slots: torch.Tensor | None  # slots of sequences computing their first token: zeroed first
 
 
-def state_metadata(seqs: list[Sequence], num_new: list[int], num_decode: int, device) -> StateMetadata:
-    """``seqs`` in batch order with their token counts; the first ``num_decode`` have one token."""
-    def tensor(values, dtype=torch.int64):
-        return torch.tensor(values, dtype=dtype, device=device) if values else None
+def state_metadata(seqs: list[Sequence], num_new: list[int], num_decode: int,
+                   tensor: Callable[[list, torch.dtype], torch.Tensor]) -> StateMetadata:
+    """``seqs`` in batch order with their token counts; the first ``num_decode`` have one token.
+    ``tensor(values, dtype)`` puts a list on the device (the model runner's pinned staging)."""
+    def device_tensor(values, dtype=torch.int64):
+        return tensor(values, dtype) if values else None
 
     slots = [s.state_slot for s in seqs]
     if None in slots:
@@ -72,10 +77,17 @@ def state_metadata(seqs: list[Sequence], num_new: list[int], num_decode: int, de
         spans.append((row, row + n, seq.state_slot))
         row += n
         cu.append(cu[-1] + n)
-    return StateMetadata(num_decode=num_decode, decode_slots=tensor(slots[:num_decode]),
-                         prefill_slots=tensor(slots[num_decode:]),
-                         prefill_cu_seqlens=tensor(cu, torch.int32) if spans else None, prefill_spans=spans,
-                         fresh_slots=tensor([s.state_slot for s in seqs if s.num_computed_tokens == 0]))
+    return StateMetadata(num_decode=num_decode, decode_slots=device_tensor(slots[:num_decode]),
+                         prefill_slots=device_tensor(slots[num_decode:]),
+                         prefill_cu_seqlens=device_tensor(cu, torch.int32) if spans else None, prefill_spans=spans,
+                         fresh_slots=device_tensor([s.state_slot for s in seqs if s.num_computed_tokens == 0]))
+
+
+def decode_only(decode_slots: torch.Tensor) -> StateMetadata:
+    """A steady-state decode step: one token per row, every sequence past its first token (no slot
+    to zero, no prefill), slots read from a device tensor, as a captured CUDA graph replays it."""
+    return StateMetadata(num_decode=decode_slots.shape[0], decode_slots=decode_slots, prefill_slots=None,
+                         prefill_cu_seqlens=None, prefill_spans=[], fresh_slots=None)
 
 
 def allocate_states(layers, num_slots: int, dtype: torch.dtype, device: torch.device) -> int:

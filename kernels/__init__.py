@@ -54,18 +54,25 @@ _REGISTRY: dict[str, dict[str, str]] = {
 
 
 # Variants that never wait on the device (no ``.item()``, ``.tolist()``, host-side maximum or
-# data-dependent output size): a CUDA graph can capture them.
-_GRAPH_SAFE: dict[str, set[str]] = {
-    "paged_decode": {"v2_triton"},
-    "moe": {"triton"},
-    "rms_norm": {"torch", "triton"},
-    "qk_norm_rope": {"torch", "triton"},
+# data-dependent output size) as a decode step calls them: a CUDA graph can capture them. The gated
+# delta rule's torch variants qualify there only (B sequences of one token, states by slot): with
+# ``cu_seqlens`` they read the sequences' bounds on the host.
+_GRAPH_SAFE: dict[str, tuple[str, ...]] = {
+    "paged_decode": ("v2_triton",),
+    "moe": ("triton",),
+    "rms_norm": ("torch", "triton"),
+    "qk_norm_rope": ("torch", "triton"),
+    "gated_delta_rule": ("triton_recurrent", "triton_chunk", "recurrent", "chunk"),
 }
 
 
 def graph_safe(op: str, variant: str) -> bool:
-    """True when ``variant`` of ``op`` can run inside a captured CUDA graph."""
+    """True when ``variant`` of ``op`` can run inside a captured CUDA graph (in a decode step)."""
     return variant in _GRAPH_SAFE.get(op, ())
+
+
+def graph_safe_variants(op: str) -> tuple[str, ...]:
+    return _GRAPH_SAFE.get(op, ())
 
 
 # Whether the user asked for Triton's interpreter, read before any Triton module sets it for itself

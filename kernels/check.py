@@ -4,9 +4,10 @@
 
 Every call draws fresh random inputs over a shape list that holds the edges where kernels break
 (partition boundaries, partial blocks, empty contexts, experts with no token, shared experts, GQA 4
-and 8, head sizes 128 and 256, partial rotary; for the gated delta rule: packed sequences across chunk edges, states updated in
-place by slot with the other slots untouched, and a prefill continued by decode steps from its
-carried state). The last stdout line is one JSON object: passed, worst error, where it occurred.
+and 8, head sizes 128 and 256, partial rotary; for the gated delta rule: packed sequences across
+chunk edges, states updated in place by slot with the other slots untouched, and a prefill
+continued by decode steps from its carried state). The last stdout line is one JSON object:
+passed, worst error, where it occurred.
 """
 from __future__ import annotations
 

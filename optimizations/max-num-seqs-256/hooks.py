@@ -45,8 +45,9 @@ def kv_cache_fits_engine(root: Path, serve_config: str, seqs: int, tokens: int) 
         return report(seqs, tokens, per_token, DEFAULT_CPU_KV_CACHE_MEMORY, "the engine's CPU default")
     total = torch.cuda.get_device_properties(device).total_memory
     weights = cfg.hf.num_params() * element
-    # the engine allocates max-num-seqs state slots before it sizes the KV cache from what is left
-    states = cfg.max_num_seqs * cfg.hf.state_bytes_per_sequence(element)
+    # the engine allocates max-num-seqs state slots (and a scratch one for the padding rows of its decode
+    # graphs) before it sizes the KV cache from what is left
+    states = (cfg.max_num_seqs + 1) * cfg.hf.state_bytes_per_sequence(element)
     return report(seqs, tokens, per_token, total * cfg.gpu_memory_utilization - weights - states,
                   f"{cfg.gpu_memory_utilization} x {total / GIB:.1f} GiB less {weights / GIB:.1f} GiB of weights "
                   f"and {states / GIB:.1f} GiB of linear-attention state slots")

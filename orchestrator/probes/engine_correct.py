@@ -54,7 +54,7 @@ def fit(config: EngineConfig, prompts: list[list[int]], max_tokens: int, **updat
     if need > config.hf.max_position_embeddings:
         raise ProbeFailure(f"the prompt set needs {need} positions, the model has "
                            f"{config.hf.max_position_embeddings}")
-    return config.model_copy(update={"max_model_len": max(config.max_model_len, need), **update})
+    return config.updated(**{"max_model_len": max(config.max_model_len, need), **update})
 
 
 def identity(config: EngineConfig) -> dict:

@@ -83,8 +83,8 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for result in outcomes.values():  # nothing failed to apply or verify
         assert not {o[1] for o in result} & {"apply_failed", "verify_failed"}, outcomes
 
-    kept = load_config(serve).model_dump()
-    optimized = load_config(CONFIGS / "optimized.yaml", {"model": "tiny-hybrid"}).model_dump()
+    kept = load_config(serve).as_dict()
+    optimized = load_config(CONFIGS / "optimized.yaml", {"model": "tiny-hybrid"}).as_dict()
     assert (kept.pop("cuda_graphs"), optimized.pop("cuda_graphs")) == (False, True)
     assert {k: kept.pop(k) for k in LAUNCH} == {"prefill_block_m": 64, "prefill_block_n": 64,
                                                 "prefill_num_warps": 8}  # the baseline's, put back
