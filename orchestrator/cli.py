@@ -61,11 +61,20 @@ def _plugins(project):
     return load_all(project.plugins_dir, project.target.roots, project.target.vars, project.policy, project.target.kind)
 
 
-def _open(project):
+def _open(project, need_roots: bool = True):
+    """The store and journal of a writing command; where the roots are is checked before anything is written."""
     from orchestrator.journal import Journal
-    from orchestrator.store import Store
+    from orchestrator.roots import bind, record
+    from orchestrator.store import Reader, Store
+    history = Reader(project.db_path) if project.db_path.exists() else None
+    try:
+        roots = bind(project, history, need_roots)
+    finally:
+        if history is not None:
+            history.close()
     store = Store(project.db_path)
-    return store, Journal(store, project.state_dir / "blobs")
+    record(store, roots)
+    return store, Journal(store, project.state_dir, roots)
 
 
 def _recover(store, journal) -> None:
@@ -265,7 +274,7 @@ def recover(config: Optional[Path] = ConfigOpt) -> None:
         console.print("nothing to recover")
         return
     with project_lock(project, need_roots=False):
-        store, journal = _open(project)
+        store, journal = _open(project, need_roots=False)
         rolled = do_recover(store, journal)
         for step in rolled:
             console.print(f"[red]rolled_back[/] {escape(label(step))}: interrupted during {step['state']} "

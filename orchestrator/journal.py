@@ -73,10 +73,17 @@ class TouchError(Exception):
 
 
 class Journal:
-    def __init__(self, store: Store, blobs: Path):
+    """`roots`: where each root named in the history is (roots.bind): rows hold a root's name and a path inside it."""
+
+    def __init__(self, store: Store, state_dir: Path, roots: dict[str, Path]):
         self.store = store
-        self.blobs = Path(blobs)
+        self.roots = {name: Path(path) for name, path in roots.items()}
+        self.blobs = Path(state_dir) / "blobs"
         self.blobs.mkdir(parents=True, exist_ok=True)
+
+    def path(self, row: dict) -> Path:
+        """Where a files row's path is on disk."""
+        return self.roots[row["root"]] / row["path"]
 
     # blobs
     def put_file(self, path: Path) -> tuple[str, int]:
@@ -132,14 +139,14 @@ class Journal:
         for d in reversed(missing):
             if (root_name, str(d)) not in known:
                 known.add((root_name, str(d)))
-                rows.append(dict(step_id=step_id, root=root_name, root_path=str(root), path=str(d), kind="dir"))
+                rows.append(dict(step_id=step_id, root=root_name, path=str(d), kind="dir"))
         tree = next((t for t in self.store.tree_rows(step_id) if t["root"] == root_name), None)
         if tree is not None:  # an earlier command step of this step already recorded the true pre-image
             before, mode = json.loads(self.blob(tree["manifest"]))["files"].get(rel, (None, None))
         else:
             before, mode = self.put_file(full) if full.exists() else (None, None)
         known.add((root_name, rel))
-        rows.append(dict(step_id=step_id, root=root_name, root_path=str(root), path=rel, kind="file",
+        rows.append(dict(step_id=step_id, root=root_name, path=rel, kind="file",
                          before=before, before_mode=mode))
         return rows
 
@@ -149,7 +156,7 @@ class Journal:
             return
         manifest = self._scan(root, store=True)
         digest = self.put_bytes(json.dumps(manifest, sort_keys=True).encode())
-        self.store.add_tree(step_id, root_name, str(root), digest)
+        self.store.add_tree(step_id, root_name, digest)
 
     def _scan(self, root: Path, store: bool) -> dict:
         files, links, dirs = {}, {}, []
@@ -176,23 +183,23 @@ class Journal:
         rows = {(r["root"], r["path"]): r for r in self.store.file_rows(step_id)}
         new_rows = []
         for tree in self.store.tree_rows(step_id):
-            root = Path(tree["root_path"])
+            root = self.roots[tree["root"]]
             pre = json.loads(self.blob(tree["manifest"]))
             now = self._scan(root, store=False)
             for d in sorted(set(now["dirs"]) - set(pre["dirs"])):
                 if (tree["root"], d) not in rows:
-                    new_rows.append(dict(step_id=step_id, root=tree["root"], root_path=str(root), path=d, kind="dir"))
+                    new_rows.append(dict(step_id=step_id, root=tree["root"], path=d, kind="dir"))
             for rel in sorted(set(pre["files"]) | set(now["files"])):
                 if pre["files"].get(rel) != now["files"].get(rel) and (tree["root"], rel) not in rows:
                     before, mode = pre["files"].get(rel, (None, None))
-                    new_rows.append(dict(step_id=step_id, root=tree["root"], root_path=str(root), path=rel,
+                    new_rows.append(dict(step_id=step_id, root=tree["root"], path=rel,
                                          kind="file", before=before, before_mode=mode))
         with self.store.transaction():
             self.store.add_files(new_rows)
             for r in self.store.file_rows(step_id):
                 if r["kind"] != "file":
                     continue
-                full = Path(r["root_path"]) / r["path"]
+                full = self.path(r)
                 after, mode = self.put_file(full) if full.is_file() and not full.is_symlink() else (None, None)
                 self.store.set_file(r["id"], after=after, after_mode=mode, sealed=1)
 
@@ -205,14 +212,14 @@ class Journal:
         dirs = [r for r in rows if r["kind"] == "dir"]
         if image == "post":
             for d in dirs:
-                (Path(d["root_path"]) / d["path"]).mkdir(parents=True, exist_ok=True)
+                self.path(d).mkdir(parents=True, exist_ok=True)
         for r in files:
             digest, mode = (r["before"], r["before_mode"]) if image == "pre" else (r["after"], r["after_mode"])
-            self._put(Path(r["root_path"]) / r["path"], digest, mode)
+            self._put(self.path(r), digest, mode)
         if image == "pre":
             for d in sorted(dirs, key=lambda r: -len(Path(r["path"]).parts)):
                 try:
-                    (Path(d["root_path"]) / d["path"]).rmdir()
+                    self.path(d).rmdir()
                 except OSError:
                     pass
 
@@ -238,7 +245,7 @@ class Journal:
         """Put back the state before the step; `exact` also makes recorded roots match their snapshot."""
         if exact:
             for tree in self.store.tree_rows(step_id):
-                self._restore_tree(Path(tree["root_path"]), json.loads(self.blob(tree["manifest"])))
+                self._restore_tree(self.roots[tree["root"]], json.loads(self.blob(tree["manifest"])))
         self.show(step_id, "pre")  # after the trees: a file tracked before a command holds an older pre-image
 
     def _restore_tree(self, root: Path, pre: dict) -> None:
@@ -280,7 +287,6 @@ class Journal:
                 (links if p.is_symlink() else files).add(str(p.relative_to(root)))
         return {"files": files, "links": links, "dirs": dirs}
 
-    @staticmethod
-    def current(row: dict) -> str | None:
-        full = Path(row["root_path"]) / row["path"]
+    def current(self, row: dict) -> str | None:
+        full = self.path(row)
         return sha256_file(full) if full.is_file() and not full.is_symlink() else None

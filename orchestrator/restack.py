@@ -34,7 +34,7 @@ class Restack:
         """`images`: (row holding the deployed image, row whose pre-image is compared) per file."""
         step_id = self.store.new_step(self.run.run_id, plugin, "measuring", params=params, kind=kind,
                                       objective=self.measurer.objective)
-        self.store.add_files([dict(step_id=step_id, root=now["root"], root_path=now["root_path"], path=now["path"],
+        self.store.add_files([dict(step_id=step_id, root=now["root"], path=now["path"],
                                    kind="file", before=now["after"], before_mode=now["after_mode"],
                                    after=then["before"], after_mode=then["before_mode"], sealed=1)
                               for now, then in images if now["after"] != then["before"]])
@@ -74,8 +74,8 @@ class Restack:
         last: dict[tuple[str, str], dict] = {}
         for sid in kept:
             for f in self.deployment.files(sid):
-                first.setdefault((f["root_path"], f["path"]), f)
-                last[(f["root_path"], f["path"])] = f
+                first.setdefault(self.journal.path(f), f)
+                last[self.journal.path(f)] = f
         step_id, verdict = self.measure_switch(FINAL, "final", [(last[k], first[k]) for k in last],
                                                "re-validating the kept stack")
         if verdict is None:

@@ -33,14 +33,14 @@ def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: b
 
 def conflicts(store: Store, journal: Journal, todo: list[dict]) -> list[str]:
     """Files that will not hold a plugin's post-image when its turn comes (earlier undos in `todo` counted)."""
-    expected: dict[tuple[str, str], str | None] = {}
+    expected: dict[Path, str | None] = {}
     problems = []
     for row in todo:
         changed = []
         for f in store.file_rows(row["step_id"]):
             if f["kind"] != "file":
                 continue
-            key = (f["root_path"], f["path"])
+            key = journal.path(f)
             now = expected[key] if key in expected else journal.current(f)
             if now != f["after"]:
                 changed.append(f["path"])
@@ -59,7 +59,7 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
         params = loads(row["params"])
         step_id = store.new_step(run.run_id, row["plugin"], "rolling_back", params=params, kind="rollback")
         for f in deployment.files(kept_step):
-            journal.track(step_id, f["root"], Path(f["root_path"]), f["path"])
+            journal.track(step_id, f["root"], journal.roots[f["root"]], f["path"])
         journal.show(kept_step, "pre")
         plugin = plugins.get(row["plugin"])
         if plugin:

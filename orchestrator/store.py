@@ -28,12 +28,13 @@ CREATE INDEX IF NOT EXISTS steps_run ON steps(run_id, seq);
 CREATE INDEX IF NOT EXISTS steps_open ON steps(state);
 CREATE TABLE IF NOT EXISTS files (
   id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
-  root_path TEXT NOT NULL, path TEXT NOT NULL, kind TEXT NOT NULL DEFAULT 'file',
+  path TEXT NOT NULL, kind TEXT NOT NULL DEFAULT 'file',
   before TEXT, before_mode INTEGER, after TEXT, after_mode INTEGER, sealed INTEGER DEFAULT 0,
   UNIQUE(step_id, root, path));
 CREATE TABLE IF NOT EXISTS trees (
   id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
-  root_path TEXT NOT NULL, manifest TEXT NOT NULL, UNIQUE(step_id, root));
+  manifest TEXT NOT NULL, UNIQUE(step_id, root));
+CREATE TABLE IF NOT EXISTS roots (name TEXT PRIMARY KEY, location TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS deployed (
   plugin TEXT PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), kept_at REAL, params TEXT);
 CREATE TABLE IF NOT EXISTS measurements (
@@ -76,20 +77,49 @@ _V0_KIND = """CASE
 _V0_PLUGIN = "CASE WHEN plugin LIKE '(without %)' THEN substr(plugin, 10, length(plugin) - 10) ELSE plugin END"
 
 
-def _v1_step_kinds(conn: sqlite3.Connection) -> None:
+def _v1_step_kinds(conn: sqlite3.Connection, state_dir: Path) -> None:
     conn.execute("ALTER TABLE steps ADD COLUMN kind TEXT NOT NULL DEFAULT 'attempt'")
     conn.execute(f"UPDATE steps SET kind = {_V0_KIND}")
     conn.execute(f"UPDATE steps SET plugin = {_V0_PLUGIN} WHERE kind = 'attribution'")
 
 
-def _v2_control(conn: sqlite3.Connection) -> None:
+def _v2_control(conn: sqlite3.Connection, state_dir: Path) -> None:
     conn.execute("ALTER TABLE steps ADD COLUMN control TEXT")
 
 
-MIGRATIONS = [_v1_step_kinds, _v2_control]  # MIGRATIONS[v] takes a database from schema version v to v + 1
+def _v3_relative_roots(conn: sqlite3.Connection, state_dir: Path) -> None:
+    """Files and trees named their root by its absolute path, so a copied project acted on the original's target:
+    the roots' locations move to their own table, relative to the state folder where they lie beside it."""
+    conn.execute("CREATE TABLE roots (name TEXT PRIMARY KEY, location TEXT NOT NULL)")
+    latest: dict[str, str] = {}
+    for name, path in conn.execute("SELECT root, root_path FROM (SELECT step_id, root, root_path FROM files UNION "
+                                   "ALL SELECT step_id, root, root_path FROM trees) ORDER BY step_id"):
+        latest[name] = path
+    conn.executemany("INSERT INTO roots (name, location) VALUES (?, ?)",
+                     [(name, location(Path(path), state_dir)) for name, path in latest.items()])
+    for table in ("files", "trees"):
+        conn.execute(f"ALTER TABLE {table} DROP COLUMN root_path")
+
+
+MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots]  # MIGRATIONS[v]: schema version v to v + 1
 VERSION = len(MIGRATIONS)
 # Step columns added since version 0, as a reader shows them in an older database.
 _ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
+
+
+def location(root: Path, state_dir: Path) -> str:
+    """How the history names a root: relative to the state folder when both lie in the folder holding the state
+    folder (a project copied or moved as a whole keeps its meaning), else absolute."""
+    root, state_dir = Path(os.path.abspath(root)), Path(os.path.abspath(state_dir))
+    if root.is_relative_to(state_dir.parent):
+        return os.path.relpath(root, state_dir)
+    return str(root)
+
+
+def located(text: str, state_dir: Path) -> Path:
+    """The folder a `location` names, seen from this state folder."""
+    path = Path(text)
+    return path if path.is_absolute() else Path(os.path.normpath(Path(os.path.abspath(state_dir)) / path))
 
 
 def label(step: dict) -> str:
@@ -175,6 +205,23 @@ class Reader:
     def tree_rows(self, step_id: int) -> list[dict]:
         return self.query("SELECT * FROM trees WHERE step_id = ? ORDER BY id", [step_id])
 
+    def roots(self) -> dict[str, str]:
+        """{root name: location} of the roots the history's files lie in (see `location`); for a database older
+        than schema version 3, as its migration will record them."""
+        if self.query("SELECT 1 FROM sqlite_master WHERE name = 'roots'"):
+            return {r["name"]: r["location"] for r in self.query("SELECT * FROM roots ORDER BY name")}
+        latest = {r["root"]: r["root_path"] for r in self.query(
+            "SELECT step_id, root, root_path FROM files UNION ALL SELECT step_id, root, root_path FROM trees "
+            "ORDER BY step_id")}
+        return {name: location(Path(path), self.path.parent) for name, path in latest.items()}
+
+    def roots_in_use(self) -> set[str]:
+        """Names of the roots whose files a kept plugin or an unfinished step recorded: where they are matters."""
+        return {r["root"] for r in self.query(
+            "SELECT root FROM files WHERE step_id IN (SELECT step_id FROM deployed) OR step_id IN "
+            "(SELECT id FROM steps WHERE state != 'done') UNION SELECT root FROM trees WHERE step_id IN "
+            "(SELECT id FROM steps WHERE state != 'done')")}
+
     # deployment
     def deployed(self) -> dict[str, dict]:
         return {r["plugin"]: r for r in self.query("SELECT * FROM deployed ORDER BY kept_at, step_id")}
@@ -234,7 +281,7 @@ class Store(Reader):
             return
         with self.transaction():
             for migration in MIGRATIONS[version:]:
-                migration(self.conn)
+                migration(self.conn, self.path.parent)
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self.conn.execute(statement)
@@ -284,8 +331,13 @@ class Store(Reader):
     def set_file(self, file_id: int, **fields: Any) -> None:
         self._db["files"].update(file_id, fields)
 
-    def add_tree(self, step_id: int, root: str, root_path: str, manifest: str) -> None:
-        self._db["trees"].insert(dict(step_id=step_id, root=root, root_path=root_path, manifest=manifest))
+    def add_tree(self, step_id: int, root: str, manifest: str) -> None:
+        self._db["trees"].insert(dict(step_id=step_id, root=root, manifest=manifest))
+
+    def set_roots(self, roots: dict[str, str]) -> None:
+        """Where the roots are now ({name: location}); names not given keep theirs."""
+        with self.transaction():
+            self.conn.executemany("INSERT OR REPLACE INTO roots (name, location) VALUES (?, ?)", list(roots.items()))
 
     def swap_images(self, step_id: int) -> None:
         """Exchange each file row's before and after images."""
