@@ -11,6 +11,7 @@ from orchestrator import decide
 from orchestrator.config import Policy
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
+from orchestrator.images import same
 from orchestrator.measure import ArmFailed, Measurer, Verdict, describe, guardrail_vetoes, numbers
 from orchestrator.plugin import Plugin
 from orchestrator.store import label, loads
@@ -35,9 +36,10 @@ class Restack:
         step_id = self.store.new_step(self.run.run_id, plugin, "measuring", params=params, kind=kind,
                                       objective=self.measurer.objective)
         self.store.add_files([dict(step_id=step_id, root=now["root"], path=now["path"],
-                                   kind="file", before=now["after"], before_mode=now["after_mode"],
+                                   before=now["after"], before_mode=now["after_mode"],
                                    after=then["before"], after_mode=then["before_mode"], sealed=1)
-                              for now, then in images if now["after"] != then["before"]])
+                              for now, then in images
+                              if not same((now["after"], now["after_mode"]), (then["before"], then["before_mode"]))])
         return step_id
 
     def compare(self, step_id: int, policy: Policy, name: str) -> Verdict:

@@ -7,6 +7,7 @@ from orchestrator.config import Project
 from orchestrator.context import open_run
 from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
+from orchestrator.images import same
 from orchestrator.journal import Journal
 from orchestrator.plugin import Plugin
 from orchestrator.store import Store, loads
@@ -32,19 +33,18 @@ def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: b
 
 
 def conflicts(store: Store, journal: Journal, todo: list[dict]) -> list[str]:
-    """Files that will not hold a plugin's post-image when its turn comes (earlier undos in `todo` counted)."""
-    expected: dict[Path, str | None] = {}
+    """Paths that will not hold a plugin's post-image (mode included) when its turn comes (earlier undos in
+    `todo` counted)."""
+    expected: dict[Path, tuple] = {}
     problems = []
     for row in todo:
         changed = []
         for f in store.file_rows(row["step_id"]):
-            if f["kind"] != "file":
-                continue
             key = journal.path(f)
             now = expected[key] if key in expected else journal.current(f)
-            if now != f["after"]:
+            if not same(now, (f["after"], f["after_mode"])):
                 changed.append(f["path"])
-            expected[key] = f["before"]
+            expected[key] = (f["before"], f["before_mode"])
         if changed:
             problems.append(f"{row['plugin']}: {', '.join(changed)}")
     return problems
@@ -58,8 +58,7 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
         kept_step = row["step_id"]
         params = loads(row["params"])
         step_id = store.new_step(run.run_id, row["plugin"], "rolling_back", params=params, kind="rollback")
-        for f in deployment.files(kept_step):
-            journal.track(step_id, f["root"], journal.roots[f["root"]], f["path"])
+        journal.track_images(step_id, [(f["root"], f["path"]) for f in deployment.files(kept_step)])
         journal.show(kept_step, "pre")
         plugin = plugins.get(row["plugin"])
         if plugin:

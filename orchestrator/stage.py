@@ -8,6 +8,7 @@ from orchestrator import decide
 from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
+from orchestrator.images import TouchError
 from orchestrator.measure import (ArmFailed, EnvironmentFailed, Measurer, Verdict, describe, failure, guardrail_vetoes,
                                   numbers)
 from orchestrator.plugin import Plugin, Variant
@@ -127,9 +128,9 @@ class Stager:
         self.reporter.phase(name, "apply")
         try:
             apply_all([s for s in variant.apply if s.runs_on(kind)], ctx)
-        except StepFailed as e:
+            self.journal.seal(step_id)
+        except (StepFailed, TouchError) as e:
             return self.roll_back(plugin, variant, step_id, "apply_failed", str(e))
-        self.journal.seal(step_id)
         self.store.set_step(step_id, state="verifying")
         self.reporter.phase(name, "verify")
         for chk in variant.verify:

@@ -28,8 +28,7 @@ CREATE INDEX IF NOT EXISTS steps_run ON steps(run_id, seq);
 CREATE INDEX IF NOT EXISTS steps_open ON steps(state);
 CREATE TABLE IF NOT EXISTS files (
   id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
-  path TEXT NOT NULL, kind TEXT NOT NULL DEFAULT 'file',
-  before TEXT, before_mode INTEGER, after TEXT, after_mode INTEGER, sealed INTEGER DEFAULT 0,
+  path TEXT NOT NULL, before TEXT, before_mode INTEGER, after TEXT, after_mode INTEGER, sealed INTEGER DEFAULT 0,
   UNIQUE(step_id, root, path));
 CREATE TABLE IF NOT EXISTS trees (
   id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
@@ -101,7 +100,14 @@ def _v3_relative_roots(conn: sqlite3.Connection, state_dir: Path) -> None:
         conn.execute(f"ALTER TABLE {table} DROP COLUMN root_path")
 
 
-MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots]  # MIGRATIONS[v]: schema version v to v + 1
+def _v4_path_images(conn: sqlite3.Connection, state_dir: Path) -> None:
+    """Rows held files, or (kind 'dir') folders a step created; now every row holds images (images.py), so a
+    created folder is a row whose post-image is "dir"."""
+    conn.execute("UPDATE files SET after = 'dir', sealed = 1 WHERE kind = 'dir'")
+    conn.execute("ALTER TABLE files DROP COLUMN kind")
+
+
+MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots, _v4_path_images]  # version v to v + 1
 VERSION = len(MIGRATIONS)
 # Step columns added since version 0, as a reader shows them in an older database.
 _ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
@@ -324,7 +330,7 @@ class Store(Reader):
 
     # files and trees
     def add_files(self, rows: list[dict]) -> None:
-        """File rows: pre-images recorded before a step touches anything, or (switch steps) images already stored."""
+        """Path rows: pre-images recorded before a step touches anything, or (switch steps) images already stored."""
         if rows:
             self._db["files"].insert_all(rows)
 

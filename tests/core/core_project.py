@@ -23,6 +23,35 @@ def tree(root: Path) -> dict[str, bytes]:
     return out
 
 
+def images(root: Path) -> dict[str, tuple]:
+    """Everything under root as it is: files (bytes, mode), symlinks (target text), folders (mode)."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", st.st_mode & 0o7777)
+            else:
+                out[rel] = ("file", p.read_bytes(), st.st_mode & 0o7777)
+    return out
+
+
+def set_probes(project: "Project", probes: list[dict]) -> None:
+    config = yaml.safe_load(project.config.read_text())
+    config["probes"] = probes
+    project.config.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def add_plugin(project: "Project", manifest: dict) -> None:
+    folder = project.path / "plugins" / manifest["id"]
+    folder.mkdir(parents=True)
+    (folder / "plugin.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+
+
 class Project:
     def __init__(self, path: Path):
         self.path = path
