@@ -77,12 +77,27 @@ def _open(project, need_roots: bool = True):
     return store, Journal(store, project.state_dir, roots)
 
 
-def _recover(store, journal) -> None:
-    from orchestrator.recovery import recover
+def _recover(store, journal, force: bool = False, command: bool = False) -> int:
+    """Recover, saying what was put back, what was left as it is, and what only the intent log knew of."""
+    from orchestrator.recovery import describe_left, recover
     from orchestrator.store import label
-    for step in recover(store, journal):
-        console.print(f"recovered: [red]{escape(label(step))}[/] rolled back (interrupted during {step['state']}) "
-                      f"in run {step['run_id']}", highlight=False)
+    done = recover(store, journal, force=force)
+    for r in done:
+        step = r.step
+        if r.unit.unrecorded:
+            err.print(f"[yellow]warning:[/] step {step['id']} ({escape(r.unit.name)}) changed "
+                      f"{escape(', '.join(r.unit.unrecorded))} but the history had no record of it (a damaged "
+                      "database or write-ahead log); restored from the intent log", highlight=False, soft_wrap=True)
+        if r.unit.step is not None and r.unit.step["state"] != "done" and command:
+            console.print(f"[red]rolled_back[/] {escape(label(step))}: interrupted during {step['state']} "
+                          f"(run {step['run_id']})", highlight=False, soft_wrap=True)
+        elif r.unit.step is not None and r.unit.step["state"] != "done":
+            console.print(f"recovered: [red]{escape(label(step))}[/] rolled back (interrupted during {step['state']}) "
+                          f"in run {step['run_id']}", highlight=False, soft_wrap=True)
+        if r.plan.left:
+            console.print(f"  left as they are: {escape(describe_left(r.plan.left))}", highlight=False,
+                          soft_wrap=True)
+    return len(done)
 
 
 class LiveReporter:
@@ -242,7 +257,8 @@ def plan(config: Optional[Path] = ConfigOpt) -> None:
 @command
 def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept plugins to roll back"),
              all_: bool = typer.Option(False, "--all", help="every kept plugin, newest first"),
-             force: bool = typer.Option(False, "--force", help="overwrite files changed since they were kept"),
+             force: bool = typer.Option(False, "--force", help="overwrite files changed since they were kept (and, "
+                                        "in the recovery first, since an interrupted command stopped)"),
              config: Optional[Path] = ConfigOpt) -> None:
     """Undo kept plugins in reverse order, byte for byte."""
     from orchestrator.lock import project_lock
@@ -253,7 +269,7 @@ def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept p
     plugins = {p.id: p for p in _plugins(project)}
     with project_lock(project):
         store, journal = _open(project)
-        _recover(store, journal)
+        _recover(store, journal, force)
         todo = plan_rollback(store, journal, None if all_ else _ids(plugin_ids), force)
         if not todo:
             console.print("nothing to roll back")
@@ -264,22 +280,19 @@ def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept p
 
 @app.command()
 @command
-def recover(config: Optional[Path] = ConfigOpt) -> None:
+def recover(config: Optional[Path] = ConfigOpt,
+            force: bool = typer.Option(False, "--force", help="also overwrite recorded paths changed after the run "
+                                       "stopped, and leave those whose pre-image is missing or damaged as they are")
+            ) -> None:
     """Restore the last kept state after a crash (also done at the start of run and rollback)."""
     from orchestrator.lock import project_lock
-    from orchestrator.recovery import recover as do_recover
-    from orchestrator.store import label
     project = _project(config)
     if not project.db_path.exists():
         console.print("nothing to recover")
         return
     with project_lock(project, need_roots=False):
         store, journal = _open(project, need_roots=False)
-        rolled = do_recover(store, journal)
-        for step in rolled:
-            console.print(f"[red]rolled_back[/] {escape(label(step))}: interrupted during {step['state']} "
-                          f"(run {step['run_id']})", highlight=False)
-        if not rolled:
+        if not _recover(store, journal, force, command=True):
             console.print("nothing to recover")
 
 

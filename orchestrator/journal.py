@@ -15,7 +15,9 @@ import stat
 from pathlib import Path
 
 from orchestrator import images
+from orchestrator.errors import UserError
 from orchestrator.images import DIR, LINK, Image, TouchError, sha256_file  # noqa: F401 - TouchError re-exported
+from orchestrator.intents import Intents
 from orchestrator.store import Store
 
 TMP_SUFFIX = ".orch-tmp"
@@ -75,14 +77,43 @@ def _kind_on_disk(st: os.stat_result) -> str:
     return "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
 
 
+class BlobError(UserError):
+    """Blobs an image needs are missing or do not hash to their names: nothing was written."""
+
+    def __init__(self, problems: list[tuple[Path, Path, str]]):
+        self.problems = problems  # (blob, the path it would have restored, why)
+        super().__init__("refused, nothing was changed: " + "; ".join(
+            f"{blob} is {why}: it holds the image of {path}" for blob, path, why in problems) +
+            ". The state folder is damaged: put the blob back from a backup, or restore the file by hand")
+
+
 class Journal:
     """`roots`: where each root named in the history is (roots.bind): rows hold a root's name and a path inside it."""
 
     def __init__(self, store: Store, state_dir: Path, roots: dict[str, Path]):
         self.store = store
         self.roots = {name: Path(path) for name, path in roots.items()}
-        self.blobs = Path(state_dir) / "blobs"
+        self.state_dir = Path(state_dir)
+        self.blobs = self.state_dir / "blobs"
         self.blobs.mkdir(parents=True, exist_ok=True)
+        self.intents = Intents(self.state_dir)
+        self.heartbeat = self.state_dir / "heartbeat"
+        self._verified: set[str] = set()
+
+    def alive(self) -> None:
+        """The command is alive and may be about to change the target: recovery counts changes made later than
+        a second after the last such sign as someone else's (recovery.SETTLE)."""
+        try:
+            os.utime(self.heartbeat)
+        except FileNotFoundError:
+            self.heartbeat.touch()
+
+    def last_alive(self) -> float | None:
+        """When the last command of this state folder last gave a sign of life (None: never recorded)."""
+        try:
+            return self.heartbeat.stat().st_mtime
+        except FileNotFoundError:
+            return None
 
     def path(self, row: dict) -> Path:
         """Where a files row's path is on disk."""
@@ -111,7 +142,32 @@ class Journal:
         return digest
 
     def blob(self, digest: str) -> bytes:
+        why = self.blob_problem(digest)
+        if why:
+            raise BlobError([(self.blobs / digest, Path("?"), why)])
         return (self.blobs / digest).read_bytes()
+
+    def blob_problem(self, digest: str) -> str | None:
+        """Why the blob cannot be trusted (missing, or its bytes hash to another name), None when it can; a
+        blob checked once is not hashed again by this process."""
+        if digest in self._verified:
+            return None
+        try:
+            actual = sha256_file(self.blobs / digest)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+        if actual != digest:
+            return f"damaged (its bytes hash to {actual})"
+        self._verified.add(digest)
+        return None
+
+    def check_blobs(self, needed: list[tuple[str, Path]]) -> None:
+        """BlobError naming every blob of (digest, path it restores) that cannot be trusted."""
+        problems = [(self.blobs / d, p, why) for d, p in needed if (why := self.blob_problem(d))]
+        if problems:
+            raise BlobError(problems)
 
     def keep(self, path: Path) -> Image:
         """The image at `path`, a file's bytes stored as a blob first."""
@@ -138,8 +194,8 @@ class Journal:
         for root_name, root, rel in paths:
             if (root_name, rel) not in known:
                 rows += self._pre_rows(step_id, root_name, root, rel, known)
-        if rows:
-            self.store.add_files(rows)
+        self.alive()
+        self.record(step_id, rows)
 
     def track_images(self, step_id: int, paths: list[tuple[str, str]]) -> None:
         """Record what (root name, path) pairs hold now, whatever they are, before they are switched to other
@@ -150,8 +206,17 @@ class Journal:
             if (root_name, rel) not in known:
                 before, mode = self.keep(self.roots[root_name] / rel)
                 rows.append(dict(step_id=step_id, root=root_name, path=rel, before=before, before_mode=mode))
-        if rows:
-            self.store.add_files(rows)
+        self.record(step_id, rows)
+
+    def record(self, step_id: int, rows: list[dict]) -> None:
+        """Add path rows of a step: announced in the intent log first, then committed to the database."""
+        if not rows:
+            return
+        step = self.store.step(step_id)
+        self.intents.add([{"step": step_id, "run": step["run_id"], "plugin": step["plugin"], **{
+            k: r.get(k) for k in ("root", "path", "before", "before_mode", "after", "after_mode", "sealed")}}
+            for r in rows])
+        self.store.add_files(rows)
 
     def _pre_rows(self, step_id: int, root_name: str, root: Path, rel: str, known: set) -> list[dict]:
         """Rows for a file a declarative step will write, and for the folders it needs created."""
@@ -202,6 +267,10 @@ class Journal:
         entries = {rel: list(self.keep(path) if stat.S_ISREG(st.st_mode) else images.read(path, st))
                    for rel, path, st in images.walk(root)}
         digest = self.put_bytes(json.dumps({"entries": entries}, sort_keys=True).encode())
+        step = self.store.step(step_id)
+        self.alive()
+        self.intents.add([{"step": step_id, "run": step["run_id"], "plugin": step["plugin"], "root": root_name,
+                           "tree": digest}])
         self.store.add_tree(step_id, root_name, digest)
 
     def seal(self, step_id: int) -> None:
@@ -234,7 +303,17 @@ class Journal:
                 after, mode = self.keep(self.path(r))
                 self.store.set_file(r["id"], after=after, after_mode=mode, sealed=1)
 
+    def settle(self) -> None:
+        """With no step open and the write-ahead log copied into the database file, the history is whole where
+        damage to that log cannot reach it: the intent log is emptied."""
+        if not self.store.open_steps() and self.store.checkpoint():
+            self.intents.clear()
+
     # putting images on disk
+    def put(self, items: list[tuple[Path, str | None, int | None]]) -> None:
+        """Make each path hold its (image, mode); blobs are checked before anything is written."""
+        self._apply(items)
+
     def show(self, step_id: int, image: str) -> None:
         """Put the step's pre- or post-images on disk; the step row says which, before any byte moves."""
         self.store.set_step(step_id, image=image)
@@ -255,7 +334,12 @@ class Journal:
     def _apply(self, items: list[tuple[Path, str | None, int | None]], compare: bool = False) -> None:
         """Make each path hold its image: what is in the way goes first (deepest first), then folders, symlinks
         and files are put in place (shallowest first), then folder modes are set (a read-only folder last).
-        `compare` first hashes a file to skip rewriting one that already holds its image."""
+        `compare` first hashes a file to skip rewriting one that already holds its image. Every blob to be
+        written is checked first (BlobError, nothing changed)."""
+        held = {path for path, image, _ in items if compare and images.is_blob(image) and path.is_file()
+                and not path.is_symlink() and sha256_file(path) == image}
+        self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image) and path not in held])
+        self.alive()
         for path, image, _ in sorted(items, key=_depth, reverse=True):
             try:
                 st = os.lstat(path)
@@ -268,12 +352,12 @@ class Journal:
                     path.unlink()
         for path, image, mode in sorted(items, key=_depth):
             if image is not None:
-                self._place(path, image, mode, compare)
+                self._place(path, image, mode, path in held)
         for path, image, mode in sorted(items, key=_depth, reverse=True):
             if image == DIR and mode is not None and stat.S_IMODE(os.lstat(path).st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
 
-    def _place(self, path: Path, image: str, mode: int | None, compare: bool) -> None:
+    def _place(self, path: Path, image: str, mode: int | None, held: bool) -> None:
         if image == DIR:
             path.mkdir(parents=True, exist_ok=True)
             return
@@ -289,7 +373,7 @@ class Journal:
         tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
         if tmp.is_file() and not tmp.is_symlink():
             tmp.unlink()
-        if compare and path.is_file() and not path.is_symlink() and sha256_file(path) == image:
+        if held:
             if mode is not None and stat.S_IMODE(path.stat().st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
             return

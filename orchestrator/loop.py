@@ -59,15 +59,16 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                 if attribute:
                     restack.attribute(kept)
     except (KeyboardInterrupt, Interrupted):
-        recover(store, journal, "interrupted", "stopped by a signal")
+        recover(store, journal, "interrupted", "stopped by a signal", own=True)
         raise
     except (BaselineFailed, EnvironmentFailed) as e:
         store.finish_run(ctx.run_id, "failed", str(e))
         return ctx.run_id
     except Exception as e:
-        recover(store, journal, "failed", f"internal error: {e!r}")
+        recover(store, journal, "failed", f"internal error: {e!r}", own=True)
         raise
     store.finish_run(ctx.run_id, "finished")
+    journal.settle()
     return ctx.run_id
 
 

@@ -107,7 +107,7 @@ class Measurer:
         on_start = self.run.recorder(step_id)
         result = run_process(spec.command, self.run.project.base_dir, self.run.env(plugin), spec.timeout,
                              on_start=lambda pid, ct: on_start(f"probe {spec.name}", pid, ct),
-                             on_tick=self.run.reporter.tick, tmp_dir=self.run.tmp)
+                             on_tick=self.run.tick, tmp_dir=self.run.tmp)
         out = judge_output(spec.role, spec.objective, result, spec.timeout)
         self.store.add_measurement(run_id=self.run.run_id, step_id=step_id, probe=spec.name, role=spec.role, arm=arm,
                                    repeat=repeat, ok=int(out.ok), reason=out.reason, value=out.value,

@@ -35,7 +35,7 @@ class Restack:
         """`images`: (row holding the deployed image, row whose pre-image is compared) per file."""
         step_id = self.store.new_step(self.run.run_id, plugin, "measuring", params=params, kind=kind,
                                       objective=self.measurer.objective)
-        self.store.add_files([dict(step_id=step_id, root=now["root"], path=now["path"],
+        self.journal.record(step_id, [dict(step_id=step_id, root=now["root"], path=now["path"],
                                    before=now["after"], before_mode=now["after_mode"],
                                    after=then["before"], after_mode=then["before_mode"], sealed=1)
                               for now, then in images

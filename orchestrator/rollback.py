@@ -7,7 +7,7 @@ from orchestrator.config import Project
 from orchestrator.context import open_run
 from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
-from orchestrator.images import same
+from orchestrator.images import is_blob, same
 from orchestrator.journal import Journal
 from orchestrator.plugin import Plugin
 from orchestrator.store import Store, loads
@@ -25,6 +25,8 @@ def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: b
         if unknown:
             raise Refused(f"not kept in this deployment: {', '.join(unknown)} (kept: {', '.join(deployed) or 'none'})")
     todo = [row for pid, row in reversed(list(deployed.items())) if ids is None or pid in ids]
+    journal.check_blobs([(f["before"], journal.path(f)) for row in todo for f in store.file_rows(row["step_id"])
+                         if is_blob(f["before"])])  # a damaged pre-image is refused before anything is written
     if not force:
         problems = conflicts(store, journal, todo)
         if problems:
@@ -68,4 +70,5 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
         deployment.remove(row["plugin"], step_id, "requested",
                           f"undid step {kept_step} (run {store.step(kept_step)['run_id']})")
     store.finish_run(run.run_id, "finished")
+    journal.settle()
     return todo

@@ -154,7 +154,7 @@ def apply_step(step: Step, ctx: StepContext) -> None:
     """Run one apply step, recording pre-images in the journal before anything is touched."""
     if step.kind in PROCESS_KINDS:
         name, root = ctx.root_of(step)
-        ctx.journal.track_tree(ctx.step_id, name, root)
+        ctx.journal.track_tree(ctx.step_id, name, root)  # also a sign of life just before the process starts
         result = _process(ctx, step, "apply")
         if result.timed_out or result.returncode != 0:
             raise StepFailed(f"{step.kind}: {_describe(result, step.body.timeout)}", result)

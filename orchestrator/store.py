@@ -198,6 +198,10 @@ class Reader:
     def step(self, step_id: int) -> dict:
         return self.query("SELECT * FROM steps WHERE id = ?", [step_id])[0]
 
+    def step_or_none(self, step_id: int) -> dict | None:
+        rows = self.query("SELECT * FROM steps WHERE id = ?", [step_id])
+        return rows[0] if rows else None
+
     def steps(self, run_id: int) -> list[dict]:
         return self.query("SELECT * FROM steps WHERE run_id = ? ORDER BY seq", [run_id])
 
@@ -292,6 +296,11 @@ class Store(Reader):
                 if statement.strip():
                     self.conn.execute(statement)
             self.conn.execute(f"PRAGMA user_version = {VERSION}")
+
+    def checkpoint(self) -> bool:
+        """Copy the write-ahead log into the database file and empty it; False when a reader held part of it back."""
+        busy, _, _ = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        return busy == 0
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
