@@ -35,9 +35,10 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="orchestrator.yaml (defaul
 
 
 def command(fn: Callable) -> Callable:
-    """Map errors to the documented exit codes."""
+    """Map errors to the documented exit codes; the disk or the history failing is a message, not a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        import sqlite3
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
@@ -45,6 +46,15 @@ def command(fn: Callable) -> Callable:
             raise typer.Exit(2)
         except UserError as e:
             err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except sqlite3.DatabaseError as e:
+            from orchestrator.store import OPENED, problem
+            err.print(f"[red]error:[/] {escape(str(problem(OPENED[-1] if OPENED else Path('orchestrator.db'), e)))}",
+                      highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except OSError as e:
+            from orchestrator.failures import describe_os_error
+            err.print(f"[red]error:[/] {escape(describe_os_error(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
     return wrapper
 
@@ -65,8 +75,8 @@ def _open(project, need_roots: bool = True):
     """The store and journal of a writing command; where the roots are is checked before anything is written."""
     from orchestrator.journal import Journal
     from orchestrator.roots import bind, record
-    from orchestrator.store import Reader, Store
-    history = Reader(project.db_path) if project.db_path.exists() else None
+    from orchestrator.store import Reader, Store, has_history
+    history = Reader(project.db_path) if has_history(project.db_path) else None
     try:
         roots = bind(project, history, need_roots)
     finally:
@@ -194,14 +204,15 @@ def status(config: Optional[Path] = ConfigOpt,
            runs: bool = typer.Option(False, "--runs", help="list all runs")) -> None:
     """Outcomes of the latest run (works while a run is going)."""
     from orchestrator.status import runs_table, status_data
-    from orchestrator.store import Reader
+    from orchestrator.store import Reader, has_history
     project = _project(config)
-    if not project.db_path.exists():
+    store = Reader(project.db_path) if project.db_path.exists() else None
+    if store is None or not has_history(project.db_path):
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Reader(project.db_path)
     if runs:
         if json_out:
-            print(json.dumps(store.runs(), indent=1, default=str))
+            from orchestrator.status import shown
+            print(json.dumps([shown(store, r) for r in store.runs()], indent=1, default=str))
         else:
             console.print(runs_table(store))
         return
@@ -228,11 +239,11 @@ def show_status(data: dict) -> None:
 def plan(config: Optional[Path] = ConfigOpt) -> None:
     """The ordered plan, preconditions and the diff each plugin would make. Changes nothing."""
     from orchestrator.plan import build_plan
-    from orchestrator.store import Reader
+    from orchestrator.store import Reader, has_history
     project = _project(config)
     plugins = _plugins(project)
     kept: set[str] = set()
-    if project.db_path.exists():
+    if has_history(project.db_path):
         store = Reader(project.db_path)
         kept = set(store.deployed())
     for root in dict.fromkeys(project.target.roots.values()):
@@ -286,8 +297,11 @@ def recover(config: Optional[Path] = ConfigOpt,
             ) -> None:
     """Restore the last kept state after a crash (also done at the start of run and rollback)."""
     from orchestrator.lock import project_lock
+    from orchestrator.store import Reader, has_history
     project = _project(config)
-    if not project.db_path.exists():
+    if not has_history(project.db_path):
+        if project.db_path.exists():
+            Reader(project.db_path)  # a zero-length database beside recorded images is a lost history: say so
         console.print("nothing to recover")
         return
     with project_lock(project, need_roots=False):
@@ -372,11 +386,11 @@ def report(config: Optional[Path] = ConfigOpt,
         from orchestrator.report import write_report
     except ImportError as e:
         raise UserError(f"reports are not available in this installation (orchestrator.report: {e})")
-    from orchestrator.store import Reader
+    from orchestrator.store import Reader, has_history
     project = _project(config)
-    if not project.db_path.exists():
+    store = Reader(project.db_path) if project.db_path.exists() else None
+    if store is None or not has_history(project.db_path):
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Reader(project.db_path)
     run_row = store.run(run_id) if run_id is not None else store.run()
     if run_row is None:
         raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")

@@ -125,10 +125,16 @@ class Journal:
         blob = self.blobs / digest
         if not blob.exists():
             tmp = self.blobs / f".{digest}{TMP_SUFFIX}"
-            with open(path, "rb") as src, open(tmp, "wb") as dst:
-                shutil.copyfileobj(src, dst, CHUNK)
-                dst.flush()
-                os.fsync(dst.fileno())
+            try:
+                with open(path, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, CHUNK)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                if e.filename is None:  # a failed write names no file: name the blob being written
+                    e.filename = str(tmp)
+                raise
             os.replace(tmp, blob)
             _fsync_dir(self.blobs)
         return digest

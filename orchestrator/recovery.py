@@ -151,8 +151,13 @@ def plan(journal: Journal, unit: Unit, cutoff: float) -> Plan:
     as a whole, a recorded path by its row); later changes are left (new paths) or conflicts (recorded ones)."""
     wanted: dict[Path, tuple] = {}
     known_after: dict[Path, tuple] = {}
+    p = Plan()
     for root_name, manifest in unit.trees:
         root = journal.roots[root_name]
+        why = journal.blob_problem(manifest)
+        if why:  # without the snapshot the root cannot be put back; its recorded paths still can
+            p.damaged.append((journal.blobs / manifest, root, f"{why} (the snapshot of the whole root)"))
+            continue
         entries = journal.entries({"manifest": manifest})
         for rel, (image, mode) in entries.items():
             wanted[root / rel] = (image, mode)
@@ -163,7 +168,6 @@ def plan(journal: Journal, unit: Unit, cutoff: float) -> Plan:
         wanted[path] = (r["before"], r["before_mode"])
         if r.get("sealed"):
             known_after[path] = (r["after"], r["after_mode"])
-    p = Plan()
     for path, want in wanted.items():
         try:
             now = images.read(path)

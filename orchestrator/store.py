@@ -141,16 +141,67 @@ def loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+OPENED: list[Path] = []  # databases this process opened, newest last: an error of SQLite's names the file
+
+
+class DamagedHistory(UserError):
+    """The history database cannot be read or written."""
+
+
+def problem(path: Path, e: sqlite3.DatabaseError) -> DamagedHistory:
+    """A message for an SQLite failure that names the file and says what to do."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    if name == "SQLITE_FULL" or "disk is full" in str(e):
+        return DamagedHistory(f"{path}: {e}: no space left on its device. Free some space, then run the command "
+                              "again (the next `orchestrator recover`, `run` or `rollback` puts back what a stopped "
+                              "run left)")
+    if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_IOERR", "SQLITE_BUSY")):
+        return DamagedHistory(f"{path}: {e} ({name}): check that the file and its folder can be read and written")
+    return DamagedHistory(f"{path}: the history database is damaged ({e}); nothing was changed. Put it back from a "
+                          f"backup; or, to start a new history, move the state folder {path.parent} aside (the target "
+                          "stays as it is now, and what was kept can no longer be rolled back by the orchestrator)")
+
+
+def has_history(path: Path) -> bool:
+    """A database file with something in it (SQLite reads a zero-length file as an empty database)."""
+    try:
+        return Path(path).stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
 class Reader:
     """The history, read only: `status` and `report` use it while a run may be writing (WAL readers never block).
     Plain sqlite3, so reading imports none of the write machinery."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.conn = self._connect()
-        self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA busy_timeout=10000")
-        self._as_current()
+        OPENED.append(self.path)
+        self._lost_history()
+        try:
+            self.conn = self._connect()
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA busy_timeout=10000")
+            self.conn.execute("PRAGMA schema_version").fetchone()  # reads the header: "file is not a database"
+            self._check()
+            self._as_current()
+        except sqlite3.DatabaseError as e:
+            raise problem(self.path, e) from None
+
+    def _lost_history(self) -> None:
+        """A zero-length database beside recorded pre-images: the history was lost, not never written."""
+        if self.path.exists() and not has_history(self.path):
+            blobs = self.path.parent / "blobs"
+            count = sum(1 for p in blobs.iterdir() if not p.name.startswith(".")) if blobs.is_dir() else 0
+            if count:
+                raise DamagedHistory(f"{self.path} is empty (0 bytes) although {blobs} holds {count} recorded "
+                                     "image(s): the history was lost. Put the database back from a backup; or, to "
+                                     f"start a new history, move the state folder {self.path.parent} aside (the "
+                                     "target stays as it is now, and what was kept can no longer be rolled back by "
+                                     "the orchestrator)")
+
+    def _check(self) -> None:
+        """A reader trusts SQLite to report damage in what it reads; a writer checks the whole file first."""
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
@@ -269,13 +320,23 @@ class Store(Reader):
         import sqlite_utils
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         super().__init__(path)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self._db = sqlite_utils.Database(self.conn, execute_plugins=False)
-        self._migrate()
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self._db = sqlite_utils.Database(self.conn, execute_plugins=False)
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise problem(self.path, e) from None
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(str(self.path))
+
+    def _check(self) -> None:
+        found = [r[0] for r in self.conn.execute("PRAGMA quick_check(3)")]
+        if found != ["ok"]:
+            raise DamagedHistory(f"{self.path}: the history database is damaged (integrity check: "
+                                 f"{'; '.join(found)}); nothing was changed. Put it back from a backup; or, to start "
+                                 f"a new history, move the state folder {self.path.parent} aside")
 
     def _as_current(self) -> None:
         """A writer migrates instead (`_migrate`)."""
