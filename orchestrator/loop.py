@@ -22,8 +22,9 @@ from orchestrator.store import Store
 CUT_SHORT = ("environment_failed", "interrupted")  # reasons that decide nothing about the plugin
 
 
-class Interrupted(Exception):
-    """Raised from a signal handler (SIGTERM) so the loop restores the target before exiting."""
+class Interrupted(BaseException):
+    """Raised from a signal handler (SIGTERM) so the loop restores the target before exiting; like
+    KeyboardInterrupt, no handler of errors catches it on the way."""
 
 
 def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal, reporter: Reporter | None = None,

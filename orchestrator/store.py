@@ -133,6 +133,26 @@ def label(step: dict) -> str:
     return f"(without {step['plugin']})" if step["kind"] == "attribution" else step["plugin"]
 
 
+MAX_TEXT = 4000  # characters of a detail, reason or message stored: a probe or a file may say far more
+
+
+def bounded(text: str | None, limit: int = MAX_TEXT) -> str | None:
+    """The text, or its head and tail with how much was cut between them."""
+    if text is None or len(text) <= limit:
+        return text
+    keep = (limit - 40) // 2
+    return f"{text[:keep]} [... {len(text) - 2 * keep} characters cut ...] {text[-keep:]}"
+
+
+def bounded_metrics(metrics: Any, limit: int = 4 * MAX_TEXT) -> str | None:
+    """A probe's result as JSON; one too long for the history keeps its numbers and says what it cut."""
+    text = dumps(metrics)
+    if text is None or len(text) <= limit or not isinstance(metrics, dict):
+        return bounded(text, limit)
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return bounded(dumps({**numbers, "cut": f"{len(text)} characters of JSON; only its numbers are kept"}), limit)
+
+
 def dumps(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, default=str)
 
@@ -375,6 +395,8 @@ class Store(Reader):
                                             target_kind=target_kind, started=time.time())).last_pk
 
     def update_run(self, run_id: int, **fields: Any) -> None:
+        if "detail" in fields:
+            fields["detail"] = bounded(fields["detail"])
         self._db["runs"].update(run_id, fields)
 
     def finish_run(self, run_id: int, status: str, detail: str | None = None) -> None:
@@ -389,6 +411,9 @@ class Store(Reader):
                                              state=state, kind=kind, started=time.time(), **fields)).last_pk
 
     def set_step(self, step_id: int, **fields: Any) -> None:
+        for key in ("reason", "detail", "control"):
+            if key in fields:
+                fields[key] = bounded(fields[key])
         self._db["steps"].update(step_id, fields)
 
     def finish_step(self, step_id: int, outcome: str, reason: str | None, detail: str | None = None,
@@ -433,7 +458,8 @@ class Store(Reader):
 
     # measurements, decisions, events, processes
     def add_measurement(self, **row: Any) -> None:
-        row["metrics"] = dumps(row.get("metrics"))
+        row["metrics"] = bounded_metrics(row.get("metrics"))
+        row["reason"] = bounded(row.get("reason"))
         row["fingerprint"] = dumps(row.get("fingerprint"))
         self._db["measurements"].insert(dict(at=time.time(), **row))
 
@@ -446,7 +472,8 @@ class Store(Reader):
                                           at=time.time()))
 
     def event(self, run_id: int | None, kind: str, message: str, step_id: int | None = None) -> None:
-        self._db["events"].insert(dict(run_id=run_id, step_id=step_id, at=time.time(), kind=kind, message=message))
+        self._db["events"].insert(dict(run_id=run_id, step_id=step_id, at=time.time(), kind=kind,
+                                       message=bounded(message)))
 
     def add_process(self, run_id: int | None, step_id: int | None, what: str, pid: int, pgid: int,
                     create_time: float) -> int:
