@@ -281,12 +281,38 @@ def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept p
     with project_lock(project):
         store, journal = _open(project)
         _recover(store, journal, force)
-        todo = plan_rollback(store, journal, None if all_ else _ids(plugin_ids), force)
-        if not todo:
+        todo = plan_rollback(store, journal, None if all_ else _ids(plugin_ids), force, plugins)
+        if todo:
+            for row in roll_back(store, journal, project, todo, plugins):
+                console.print(f"[red]rolled_back[/] {escape(row['plugin'])}", highlight=False)
+        else:
             console.print("nothing to roll back")
-            return
-        for row in roll_back(store, journal, project, todo, plugins):
-            console.print(f"[red]rolled_back[/] {escape(row['plugin'])}", highlight=False)
+        if all_:
+            _collected(journal)
+
+
+def _collected(journal) -> None:
+    removed, freed = journal.collect()
+    if removed:
+        console.print(f"removed {removed} blob(s) no longer needed ({freed / 1e6:.1f} MB)", highlight=False)
+
+
+@app.command()
+@command
+def gc(config: Optional[Path] = ConfigOpt) -> None:
+    """Delete the blobs (pre- and post-images) no kept plugin or unfinished step needs."""
+    from orchestrator.lock import project_lock
+    from orchestrator.store import has_history
+    project = _project(config)
+    if not has_history(project.db_path):
+        console.print("nothing to collect")
+        return
+    with project_lock(project, need_roots=False):
+        store, journal = _open(project, need_roots=False)
+        _recover(store, journal)  # an unfinished step's images are needed until it is recovered
+        removed, freed = journal.collect()
+        console.print(f"removed {removed} blob(s) no longer needed ({freed / 1e6:.1f} MB); "
+                      f"{sum(1 for _ in journal.blobs.iterdir())} kept", highlight=False)
 
 
 @app.command()

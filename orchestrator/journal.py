@@ -65,6 +65,10 @@ def write_image(path: Path, data: bytes, mode: int | None = None) -> None:
         os.chmod(path, stat.S_IMODE(mode))
 
 
+def _is_digest(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
 def _depth(item: tuple) -> int:
     return len(item[0].parts)
 
@@ -308,6 +312,36 @@ class Journal:
             for r in self.store.file_rows(step_id):
                 after, mode = self.keep(self.path(r))
                 self.store.set_file(r["id"], after=after, after_mode=mode, sealed=1)
+
+    def collect(self) -> tuple[int, int]:
+        """Delete the blobs nothing needs any more; (blobs removed, bytes freed). Needed are the images of kept
+        plugins (to roll them back and to measure without them), those of unfinished steps and of the intent log
+        (to recover), with the snapshots they name. Call only while holding the state lock."""
+        needed: set[str] = set()
+        manifests: set[str] = set()
+        unfinished = [s["id"] for s in self.store.open_steps()]
+        for step_id in [r["step_id"] for r in self.store.deployed().values()] + unfinished:
+            for r in self.store.file_rows(step_id):
+                needed.update(i for i in (r["before"], r["after"]) if images.is_blob(i))
+        for step_id in unfinished:  # a kept step's rows say all it changed; its snapshot is history
+            manifests.update(t["manifest"] for t in self.store.tree_rows(step_id))
+        for record in self.intents.read():
+            needed.update(i for i in (record.get("before"), record.get("after")) if isinstance(i, str) and images.is_blob(i))
+            if isinstance(record.get("tree"), str):
+                manifests.add(record["tree"])
+        for manifest in manifests:
+            needed.add(manifest)
+            if not self.blob_problem(manifest):
+                needed.update(image for image, _ in self.entries({"manifest": manifest}).values() if images.is_blob(image))
+        removed = freed = 0
+        for blob in self.blobs.iterdir():
+            leftover = blob.name.startswith(".") and blob.name.endswith(TMP_SUFFIX)  # of a write that died
+            if blob.name in needed or not (leftover or _is_digest(blob.name)):
+                continue
+            freed += blob.lstat().st_size
+            blob.unlink()
+            removed += 1
+        return removed, freed
 
     def settle(self) -> None:
         """With no step open and the write-ahead log copied into the database file, the history is whole where

@@ -17,13 +17,23 @@ class Refused(UserError):
     """Rolling back would overwrite someone else's later change."""
 
 
-def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: bool) -> list[dict]:
-    """The deployed rows to undo, newest first; checks every file before anything is touched."""
+def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: bool,
+                  plugins: dict[str, Plugin] | None = None) -> list[dict]:
+    """The deployed rows to undo, newest first; checks every file before anything is touched. A kept plugin
+    that `requires` one being rolled back must be rolled back with it."""
     deployed = store.deployed()
     if ids is not None:
         unknown = sorted(ids - set(deployed))
         if unknown:
             raise Refused(f"not kept in this deployment: {', '.join(unknown)} (kept: {', '.join(deployed) or 'none'})")
+        needing = {pid: sorted(set(plugins[pid].manifest.requires) & ids) for pid in deployed
+                   if pid not in ids and pid in (plugins or {})}
+        left = {pid: needs for pid, needs in needing.items() if needs}
+        if left:
+            names = " ".join(sorted(ids | set(left)))
+            raise Refused("kept plugins require what would be rolled back: " + "; ".join(
+                f"{pid} requires {', '.join(needs)}" for pid, needs in sorted(left.items())) +
+                f". Roll them back together (`orchestrator rollback {names}`) or use --all")
     todo = [row for pid, row in reversed(list(deployed.items())) if ids is None or pid in ids]
     journal.check_blobs([(f["before"], journal.path(f)) for row in todo for f in store.file_rows(row["step_id"])
                          if is_blob(f["before"])])  # a damaged pre-image is refused before anything is written
