@@ -207,7 +207,7 @@ def status(config: Optional[Path] = ConfigOpt,
     from orchestrator.store import Reader, has_history
     project = _project(config)
     store = Reader(project.db_path) if project.db_path.exists() else None
-    if store is None or not has_history(project.db_path):
+    if store is None or not has_history(project.db_path) or store.empty():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
     if runs:
         if json_out:
@@ -245,7 +245,7 @@ def plan(config: Optional[Path] = ConfigOpt) -> None:
     kept: set[str] = set()
     if has_history(project.db_path):
         store = Reader(project.db_path)
-        kept = set(store.deployed())
+        kept = set() if store.empty() else set(store.deployed())
     for root in dict.fromkeys(project.target.roots.values()):
         if not root.exists():
             console.print(f"[yellow]{escape(str(root))} does not exist yet: the first `orchestrator run` creates it; "
@@ -415,7 +415,7 @@ def report(config: Optional[Path] = ConfigOpt,
     from orchestrator.store import Reader, has_history
     project = _project(config)
     store = Reader(project.db_path) if project.db_path.exists() else None
-    if store is None or not has_history(project.db_path):
+    if store is None or not has_history(project.db_path) or store.empty():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
     run_row = store.run(run_id) if run_id is not None else store.run()
     if run_row is None:

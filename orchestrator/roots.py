@@ -26,7 +26,7 @@ def bind(project, history: Reader | None, need_roots: bool = True) -> dict[str, 
         if need_roots:
             raise
         roots = {}
-    if history is None:
+    if history is None or history.empty():
         return roots
     recorded = history.roots()
     problems = []

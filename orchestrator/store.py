@@ -183,11 +183,15 @@ def problem(path: Path, e: sqlite3.DatabaseError) -> DamagedHistory:
 
 
 def has_history(path: Path) -> bool:
-    """A database file with something in it (SQLite reads a zero-length file as an empty database)."""
-    try:
-        return Path(path).stat().st_size > 0
-    except FileNotFoundError:
-        return False
+    """A database with something in it: in its file, or still only in its write-ahead log (a new database's first
+    transactions stay there until a checkpoint). SQLite reads a zero-length file as an empty database."""
+    for file in (Path(path), Path(f"{path}-wal")):
+        try:
+            if file.stat().st_size > 0:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 class Reader:
@@ -238,6 +242,10 @@ class Reader:
 
     def close(self) -> None:
         self.conn.close()
+
+    def empty(self) -> bool:
+        """No table yet: a command was stopped while it created the database."""
+        return not self.query("SELECT 1 FROM sqlite_master WHERE name = 'runs'")
 
     def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict]:
         return [dict(r) for r in self.conn.execute(sql, list(params))]

@@ -138,3 +138,18 @@ def test_a_real_full_disk_under_the_state_folder(tmp_path):
         assert data["run"]["status"] != "running"
     finally:
         subprocess.run(["umount", str(state)], check=False)
+
+
+def test_a_database_stopped_while_it_was_created(tmp_path):
+    """A command killed between creating the database and committing its tables leaves a file with no table."""
+    import sqlite3
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    project.state.mkdir()
+    db = sqlite3.connect(project.state / "orchestrator.db")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.close()
+    assert (project.state / "orchestrator.db").stat().st_size > 0
+    assert "no runs recorded yet" in project.cli("status", check=1).stderr
+    assert project.cli("recover", check=0).stdout.strip() == "nothing to recover"
+    project.cli("run", check=0)
+    assert project.outcomes() == {"speedup": ("kept", None)}
