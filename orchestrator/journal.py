@@ -84,10 +84,10 @@ def _kind_on_disk(st: os.stat_result) -> str:
 class BlobError(UserError):
     """Blobs an image needs are missing or do not hash to their names: nothing was written."""
 
-    def __init__(self, problems: list[tuple[Path, Path, str]]):
-        self.problems = problems  # (blob, the path it would have restored, why)
+    def __init__(self, problems: list[tuple[Path, str, str]]):
+        self.problems = problems  # (blob, what it holds, why it cannot be used)
         super().__init__("refused, nothing was changed: " + "; ".join(
-            f"{blob} is {why}: it holds the image of {path}" for blob, path, why in problems) +
+            f"{blob} is {why}: it holds {what}" for blob, what, why in problems) +
             ". The state folder is damaged: put the blob back from a backup, or restore the file by hand")
 
 
@@ -125,13 +125,18 @@ class Journal:
 
     # blobs
     def put_file(self, path: Path) -> str:
+        """Store a file's bytes as a blob named by their hash; the name is that of the bytes copied, hashed as
+        they are written, so a blob always hashes to its name."""
         digest = sha256_file(path)
         blob = self.blobs / digest
         if not blob.exists():
             tmp = self.blobs / f".{digest}{TMP_SUFFIX}"
+            copied = hashlib.sha256()
             try:
                 with open(path, "rb") as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, CHUNK)
+                    while chunk := src.read(CHUNK):
+                        copied.update(chunk)
+                        dst.write(chunk)
                     dst.flush()
                     os.fsync(dst.fileno())
             except OSError as e:
@@ -139,8 +144,11 @@ class Journal:
                 if e.filename is None:  # a failed write names no file: name the blob being written
                     e.filename = str(tmp)
                 raise
+            digest = copied.hexdigest()  # the file changed after it was hashed: these are the bytes kept
+            blob = self.blobs / digest
             os.replace(tmp, blob)
             _fsync_dir(self.blobs)
+            self._verified.add(digest)
         return digest
 
     def put_bytes(self, data: bytes) -> str:
@@ -149,12 +157,13 @@ class Journal:
         if not blob.exists():
             write_atomic(blob, data, durable=True)
             _fsync_dir(self.blobs)
+            self._verified.add(digest)
         return digest
 
-    def blob(self, digest: str) -> bytes:
+    def blob(self, digest: str, what: str = "a recorded image") -> bytes:
         why = self.blob_problem(digest)
         if why:
-            raise BlobError([(self.blobs / digest, Path("?"), why)])
+            raise BlobError([(self.blobs / digest, what, why)])
         return (self.blobs / digest).read_bytes()
 
     def blob_problem(self, digest: str) -> str | None:
@@ -175,7 +184,7 @@ class Journal:
 
     def check_blobs(self, needed: list[tuple[str, Path]]) -> None:
         """BlobError naming every blob of (digest, path it restores) that cannot be trusted."""
-        problems = [(self.blobs / d, p, why) for d, p in needed if (why := self.blob_problem(d))]
+        problems = [(self.blobs / d, f"the image of {p}", why) for d, p in needed if (why := self.blob_problem(d))]
         if problems:
             raise BlobError(problems)
 
@@ -268,7 +277,7 @@ class Journal:
         return None
 
     def entries(self, tree: dict) -> dict[str, list]:
-        return images.manifest_entries(json.loads(self.blob(tree["manifest"])))
+        return images.manifest_entries(json.loads(self.blob(tree["manifest"], "the snapshot of a whole root")))
 
     def track_tree(self, step_id: int, root_name: str, root: Path) -> None:
         """Record a whole root before a command or hook that may change anything in it."""
