@@ -86,6 +86,7 @@ def bench_config(config: EngineConfig, workload: Workload) -> dict[str, Any]:
         "preemptions": stats["preemptions"],
         "kernel_choice": engine.kernel_choice,
         "kv_cache_tokens": engine.model_runner.num_blocks * engine.config.block_size,
+        "decode_graph_replays": engine.model_runner.decode_graphs.replays if engine.model_runner.decode_graphs else 0,
         "device": str(engine.model_runner.device),
         "dtype": str(engine.model_runner.dtype).removeprefix("torch."),
     }

@@ -20,6 +20,8 @@ KERNEL_KEYS = {
     "attention-decode-long": "paged_decode",
     "attention-prefill": "prefix_prefill",
     "moe-dispatch": "moe",
+    "rms-norm": "rms_norm",
+    "qk-norm-rope": "qk_norm_rope",
     "gdn-prefill": "gated_delta_rule",
     "gdn-decode": "gated_delta_rule",
 }
@@ -67,6 +69,9 @@ class EngineConfig(BaseModel):
     moe_dispatch: VariantChain = "sorted"
     gdn_prefill: VariantChain = "chunk"  # Gated DeltaNet layers (hybrid models only)
     gdn_decode: VariantChain = "recurrent"
+    rms_norm: VariantChain = "torch"  # residual add + RMSNorm
+    qk_norm_rope: VariantChain = "torch"  # per-head q/k RMSNorm + rotary embedding
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs; ignored on the CPU
 
     _source: str = PrivateAttr("<dict>")
     _model: ModelConfig | None = PrivateAttr(None)
@@ -86,8 +91,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"must be a power of two up to 512, got {v}")
         return v
 
-    @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch", "gdn_prefill",
-                     "gdn_decode")
+    @field_validator("attention_decode", "attention_decode_long", "attention_prefill", "moe_dispatch", "rms_norm",
+                     "qk_norm_rope", "gdn_prefill", "gdn_decode")
     @classmethod
     def _chain(cls, v: VariantChain) -> VariantChain:
         if isinstance(v, list) and not v:

@@ -32,6 +32,8 @@ class Kernels:
     decode_long: Callable
     prefill: Callable
     moe: Callable
+    rms_norm: Callable
+    qk_norm_rope: Callable
     prefill_kwargs: dict[str, int]
     choice: dict[str, str] = field(default_factory=dict)  # serve-config key -> variant used
     gdn_prefill: Callable | None = None  # hybrid models only
@@ -60,6 +62,12 @@ def _check_inputs(key: str, model: ModelConfig, block_size: int, dtype, device, 
         return inputs.paged_decode([1, block_size + 3, 600], **geometry)
     if op == "prefix_prefill":
         return inputs.prefix_prefill([(0, 5), (block_size + 3, 20), (40, 1)], **geometry)
+    if op == "rms_norm":
+        return inputs.rms_norm(12, hidden=model.hidden_size, dtype=dtype, device=device, seed=seed)
+    if op == "qk_norm_rope":
+        return inputs.qk_norm_rope(12, model.num_heads, model.num_kv_heads, model.head_size, model.rotary_dim,
+                                   gated=model.attn_output_gate, theta=model.rope_theta, dtype=dtype, device=device,
+                                   seed=seed)
     experts = min(model.num_experts, 16)
     return inputs.moe(12, hidden=model.hidden_size, experts=experts, intermediate=model.moe_intermediate_size,
                       top_k=min(model.top_k, experts), dtype=dtype, device=device, seed=seed)
@@ -109,6 +117,6 @@ def select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtyp
             raise config.error(key, "no variant passed the start-up self-check: " + "; ".join(failures))
         log.info("%s: using %s", key, choice[key])
     return Kernels(decode=chosen["attention-decode"], decode_long=chosen["attention-decode-long"],
-                   prefill=chosen["attention-prefill"], moe=chosen["moe-dispatch"],
-                   prefill_kwargs=config.prefill_kwargs(), choice=choice,
+                   prefill=chosen["attention-prefill"], moe=chosen["moe-dispatch"], rms_norm=chosen["rms-norm"],
+                   qk_norm_rope=chosen["qk-norm-rope"], prefill_kwargs=config.prefill_kwargs(), choice=choice,
                    gdn_prefill=chosen.get("gdn-prefill"), gdn_decode=chosen.get("gdn-decode"))

@@ -8,7 +8,10 @@ import logging
 import torch
 
 from engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
-from engine.config import EngineConfig
+import kernels
+from engine.config import KERNEL_KEYS, EngineConfig
+from engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from engine.host_staging import HostStaging
 from engine.kernel_choice import select_kernels
 from engine.layers.attention import PagedAttention
 from engine.layers.gated_deltanet import GatedDeltaNet
@@ -54,6 +57,8 @@ class ModelRunner:
         if fixed_budget is not None:  # fail before allocating anything
             self._blocks_for(fixed_budget, "kv-cache-memory")
         self.kernels = select_kernels(config, self.device, self.dtype)
+        self.staging = HostStaging(self.device)
+        self.decode_graphs: DecodeGraphs | None = None  # captured last; the profiling step runs eager
         with _defaults(self.device, self.dtype):
             self.model = Qwen3MoeForCausalLM(cfg, self.kernels)
         self.model.requires_grad_(False)
@@ -72,6 +77,7 @@ class ModelRunner:
         self._allocate_cache(self.num_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self._block_bytes() / GIB)
+        self.graphs_off_reason = self._capture_decode_graphs()
 
     # ------------------------------------------------------------------ memory
     def _element_size(self) -> int:
@@ -132,23 +138,68 @@ class ModelRunner:
         return total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
 
     def _allocate_cache(self, num_blocks: int) -> None:
+        """``num_blocks`` for sequences plus one scratch block (the last) that padding rows of a
+        static decode step write to and read from."""
         cfg = self.config.hf
         x = 16 // self._element_size()
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
         for layer in self.attention_layers:
-            layer.key_cache = torch.zeros(num_blocks, cfg.num_kv_heads, cfg.head_size // x, self.block_size, x,
+            layer.key_cache = torch.zeros(num_blocks + 1, cfg.num_kv_heads, cfg.head_size // x, self.block_size, x,
                                           dtype=self.dtype, device=self.device)
-            layer.value_cache = torch.zeros(num_blocks, cfg.num_kv_heads, cfg.head_size, self.block_size,
+            layer.value_cache = torch.zeros(num_blocks + 1, cfg.num_kv_heads, cfg.head_size, self.block_size,
                                             dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ static decode steps
+    def _capture_decode_graphs(self) -> str | None:
+        """On a GPU with ``cuda-graphs: true``, capture the decode steps; returns why not, or None."""
+        if self.device.type != "cuda" or not self.config.cuda_graphs:
+            return None
+        reason = self._graph_blocker()
+        if reason is None:
+            try:
+                self.use_static_decode(capture=True)
+            except Exception as exc:  # a failed capture must not stop serving: stay eager, say why
+                self.decode_graphs, reason = None, f"capture failed: {type(exc).__name__}: {exc}"
+                torch.cuda.synchronize()
+        if reason is not None:
+            log.warning("cuda-graphs: decode steps stay eager: %s", reason)
+        return reason
+
+    def _graph_blocker(self) -> str | None:
+        """Why decode steps cannot be captured with this model and the kernels chosen, or None."""
+        if not getattr(self.model, "static_decode", False):  # e.g. per-sequence state outside the KV cache
+            return f"{type(self.model).__name__} declares no static decode path (static_decode = True)"
+        for key in ("attention-decode", "moe-dispatch", "rms-norm", "qk-norm-rope"):
+            variant = self.kernels.choice[key]
+            if not kernels.graph_safe(KERNEL_KEYS[key], variant):
+                return f"{key} variant {variant} waits on the device (graph-safe: v2_triton, triton)"
+        return None
+
+    def use_static_decode(self, capture: bool) -> None:
+        """Run pure decode steps on static, bucket-padded buffers: captured as CUDA graphs when
+        ``capture`` (needs a GPU and graph-safe kernels), else eagerly through the same code."""
+        self.decode_graphs = DecodeGraphs(
+            self.model, min(self.config.max_num_seqs, MAX_GRAPH_BATCH), _cdiv(self.config.max_model_len, self.block_size),
+            self.block_size, self.num_blocks, self.device, capture)
+
+    def _static_decode_fits(self, scheduled: list[ScheduledSeq]) -> bool:
+        graphs = self.decode_graphs
+        if graphs is None or len(scheduled) > graphs.max_rows or any(s.num_new_tokens != 1 for s in scheduled):
+            return False
+        if self.kernels.choice["attention-decode"] == self.kernels.choice["attention-decode-long"]:
+            return True
+        threshold = self.config.decode_long_threshold
+        return all(s.seq.num_computed_tokens + 1 <= threshold for s in scheduled)
 
     # ------------------------------------------------------------------ one step
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return self.staging.tensor(values, dtype)
 
     def _tables(self, seqs_blocks: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(b) for b in seqs_blocks))
-        return self._tensor([b + [0] * (width - len(b)) for b in seqs_blocks], torch.int32)
+        flat = [x for b in seqs_blocks for x in b + [0] * (width - len(b))]
+        return self._tensor(flat, torch.int32).view(len(seqs_blocks), width)
 
     def _decode_group(self, scheduled: list[ScheduledSeq], rows: list[int], start: int) -> DecodeGroup | None:
         if not rows:
@@ -162,6 +213,7 @@ class ModelRunner:
         decodes, prefills; ``sample_rows`` pairs the batch row of each last token with its index
         in ``scheduled``."""
         bs, threshold = self.block_size, self.config.decode_long_threshold
+        self.staging.begin_step()
         short, long_, prefill = [], [], []
         for i, item in enumerate(scheduled):
             if item.num_new_tokens > 1:
@@ -205,6 +257,9 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int | None]:
         """The sampled token of each scheduled sequence whose chunk reaches its end, else None."""
+        if self._static_decode_fits(scheduled):
+            tokens = self.decode_graphs.run(scheduled)
+            return [t if item.samples else None for item, t in zip(scheduled, tokens)]
         input_ids, positions, meta, sample_rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, meta)
         out: list[int | None] = [None] * len(scheduled)

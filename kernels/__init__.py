@@ -9,7 +9,7 @@ import importlib
 import os
 from typing import Callable
 
-OPS = ("paged_decode", "prefix_prefill", "moe", "gated_delta_rule")
+OPS = ("paged_decode", "prefix_prefill", "moe", "rms_norm", "qk_norm_rope", "gated_delta_rule")
 
 # op -> variant -> "module:function"; the first entry of each op is its float64 reference.
 _REGISTRY: dict[str, dict[str, str]] = {
@@ -33,6 +33,16 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "grouped_mm": "kernels.moe_torch:moe_grouped_mm",
         "triton": "kernels.moe_triton:moe_triton",
     },
+    "rms_norm": {
+        "reference": "kernels.reference:rms_norm",
+        "torch": "kernels.norm_torch:rms_norm",
+        "triton": "kernels.norm_triton:rms_norm_triton",
+    },
+    "qk_norm_rope": {
+        "reference": "kernels.reference:qk_norm_rope",
+        "torch": "kernels.norm_torch:qk_norm_rope",
+        "triton": "kernels.norm_triton:qk_norm_rope_triton",
+    },
     "gated_delta_rule": {  # the contract: kernels/gdn.py
         "reference": "kernels.reference:gated_delta_rule",
         "recurrent": "kernels.gdn_torch:gated_delta_rule_recurrent",
@@ -41,6 +51,21 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "triton_chunk": "kernels.gdn_triton:gated_delta_rule_triton_chunk",
     },
 }
+
+
+# Variants that never wait on the device (no ``.item()``, ``.tolist()``, host-side maximum or
+# data-dependent output size): a CUDA graph can capture them.
+_GRAPH_SAFE: dict[str, set[str]] = {
+    "paged_decode": {"v2_triton"},
+    "moe": {"triton"},
+    "rms_norm": {"torch", "triton"},
+    "qk_norm_rope": {"torch", "triton"},
+}
+
+
+def graph_safe(op: str, variant: str) -> bool:
+    """True when ``variant`` of ``op`` can run inside a captured CUDA graph."""
+    return variant in _GRAPH_SAFE.get(op, ())
 
 
 # Whether the user asked for Triton's interpreter, read before any Triton module sets it for itself

@@ -3,8 +3,8 @@
     python -m kernels.check --op paged_decode --variant v2_triton --device cuda --dtype bfloat16
 
 Every call draws fresh random inputs over a shape list that holds the edges where kernels break
-(partition boundaries, partial blocks, empty contexts, experts with no token, GQA 4 and 8, head
-sizes 128 and 256; for the gated delta rule: packed sequences across chunk edges, states updated in
+(partition boundaries, partial blocks, empty contexts, experts with no token, shared experts, GQA 4
+and 8, head sizes 128 and 256, partial rotary; for the gated delta rule: packed sequences across chunk edges, states updated in
 place by slot with the other slots untouched, and a prefill continued by decode steps from its
 carried state). The last stdout line is one JSON object: passed, worst error, where it occurred.
 """
@@ -52,10 +52,24 @@ FULL = {
         dict(tokens=7, hidden=256, experts=64, intermediate=128, top_k=8, unused_experts=16),
         dict(tokens=300, hidden=512, experts=32, intermediate=256, top_k=4, unused_experts=3),
         dict(tokens=64, hidden=128, experts=16, intermediate=64, top_k=2, unused_experts=5),
+        dict(tokens=9, hidden=128, experts=16, intermediate=64, top_k=4, shared_experts=1),
+    ],
+    "rms_norm": [
+        dict(tokens=1, hidden=2048, residual=True),
+        dict(tokens=300, hidden=2048, residual=False),
+        dict(tokens=64, hidden=2048, residual=True),
+        dict(tokens=33, hidden=1000, residual=True),
+    ],
+    "qk_norm_rope": [
+        dict(tokens=1, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
+        dict(tokens=300, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64),
+        dict(tokens=17, num_heads=8, num_kv_heads=2, head_size=128, rotary_dim=128, gated=False),
+        dict(tokens=9, num_heads=4, num_kv_heads=4, head_size=96, rotary_dim=24),
     ],
 }
 # Qwen3.6-35B-A3B's expert shapes are too large for a float64 CPU reference; checked on CUDA only.
-CUDA_ONLY = {"moe": [dict(tokens=64, hidden=2048, experts=256, intermediate=512, top_k=8, unused_experts=32)]}
+CUDA_ONLY = {"moe": [dict(tokens=64, hidden=2048, experts=256, intermediate=512, top_k=8, unused_experts=32),
+                     dict(tokens=300, hidden=2048, experts=256, intermediate=512, top_k=8, shared_experts=1)]}
 
 # Small enough for the Triton interpreter, still crossing blocks, partitions and GQA groups.
 SMALL = {
@@ -75,6 +89,15 @@ SMALL = {
     "moe": [
         dict(tokens=5, hidden=32, experts=8, intermediate=16, top_k=2, unused_experts=3),
         dict(tokens=33, hidden=64, experts=6, intermediate=32, top_k=3),
+        dict(tokens=6, hidden=32, experts=8, intermediate=16, top_k=2, shared_experts=1, unused_experts=2),
+    ],
+    "rms_norm": [
+        dict(tokens=5, hidden=64, residual=True),
+        dict(tokens=3, hidden=48, residual=False),
+    ],
+    "qk_norm_rope": [
+        dict(tokens=5, num_heads=4, num_kv_heads=2, head_size=32, rotary_dim=8),
+        dict(tokens=3, num_heads=2, num_kv_heads=1, head_size=16, rotary_dim=16, gated=False),
     ],
 }
 
@@ -99,7 +122,18 @@ def _poison(device: str, numel: int) -> None:
         torch.empty(numel * 2, dtype=torch.float32, device=device).fill_(float("nan"))
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+def outputs(out) -> tuple:
+    """An op's results as a tuple (rms_norm with a residual, qk_norm_rope and the gated delta rule give two)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def rel_error(out, ref) -> float:
+    """Worst ‖out − ref‖ / ‖ref‖ over the results; NaN when any is non-finite."""
+    errors = [_rel_error(o, r) for o, r in zip(outputs(out), outputs(ref))]
+    return float("nan") if any(e != e for e in errors) else max(errors)
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     if not torch.isfinite(out).all():
         return float("nan")
@@ -112,13 +146,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               b.contiguous().view(-1).view(torch.uint8))
 
 
-def _parts(out) -> tuple:
-    return out if isinstance(out, tuple) else (out,)
-
-
 def _compare(out, ref_out, dtype) -> float:
     """Worst relative error over the results; raises when one is missing, misshapen or mistyped."""
-    outs, refs = _parts(out), _parts(ref_out)
+    outs, refs = outputs(out), outputs(ref_out)
     if len(outs) != len(refs) or (outs[0] is not None and outs[0].dtype != dtype):
         raise AssertionError(f"results {_describe(out)} do not match {_describe(ref_out)} (first in {dtype})")
     worst = 0.0
@@ -132,11 +162,11 @@ def _compare(out, ref_out, dtype) -> float:
 
 
 def _describe(out) -> str:
-    return ", ".join("None" if o is None else f"{tuple(o.shape)} {o.dtype}" for o in _parts(out))
+    return ", ".join("None" if o is None else f"{tuple(o.shape)} {o.dtype}" for o in outputs(out))
 
 
 def _numel(out) -> int:
-    return sum(o.numel() for o in _parts(out) if o is not None)
+    return sum(o.numel() for o in outputs(out) if o is not None)
 
 
 def _tensors(args: dict) -> dict:
@@ -152,14 +182,14 @@ def check_one(fn: Callable, reference: Callable, args: dict) -> float:
         return check_slots(fn, reference, args)
     before = {k: v.clone() for k, v in _tensors(args).items()}
     ref_out = reference(**as_float64(args))
-    _poison(_parts(ref_out)[0].device.type, _numel(ref_out))
+    _poison(outputs(ref_out)[0].device.type, _numel(ref_out))
     out = fn(**args)
     for k, v in before.items():
         if not _same_bytes(v, args[k]):
             raise AssertionError(f"input {k!r} was modified")
     err = _compare(out, ref_out, next(iter(before.values())).dtype)
     inputs_at = {v.data_ptr() for v in before.values()} | {v.data_ptr() for v in _tensors(args).values()}
-    if any(o is not None and o.data_ptr() in inputs_at for o in _parts(out)):
+    if any(o is not None and o.data_ptr() in inputs_at for o in outputs(out)):
         raise AssertionError("output aliases an input")
     return err
 

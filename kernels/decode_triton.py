@@ -2,8 +2,10 @@
 
 One program takes one (sequence, kv head, split of the context) and computes all the query heads
 that share that kv head together, so each K/V tile is read once and multiplied with ``tl.dot``.
-Splits are sized so that the grid fills the GPU; a second kernel merges the splits with the
-log-sum-exp reduction of vLLM's paged_attention_v2.
+The number of splits is fixed on the host from batch x kv heads against the SM count (so the grid
+fills the GPU); each program derives its split's length from its sequence's length on the device,
+so nothing is read back to the host and the launch can be captured in a CUDA graph. A second kernel
+merges the splits with the log-sum-exp reduction of vLLM's paged_attention_v2.
 """
 from __future__ import annotations
 
@@ -17,16 +19,25 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tokens per split of one sequence: its length spread over the grid's splits, in whole
+    BLOCK_N tiles, at least MIN_SPLIT (short contexts use fewer splits; the rest exit at once)."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(per_split, MIN_SPLIT)
+
+
+@triton.jit
 def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
                   sq0, sq1, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sbt0, so0, so1,
                   st0, st1, st2, sm0, sm1,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD: tl.constexpr, X: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                   SINGLE: tl.constexpr, PRECISION: tl.constexpr):
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(LENS + seq)
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, seq_len)
+    split_len = _split_len(seq_len, tl.num_programs(2), BLOCK_N, MIN_SPLIT)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
     g = tl.arange(0, GROUP_PAD)
     head = kvh * GROUP + g
     d = tl.arange(0, HEAD)
@@ -37,21 +48,27 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
     acc = tl.zeros([GROUP_PAD, HEAD], tl.float32)
     k_col = (d // X) * sk2 + d % X  # offset of each head dim inside a block's K
     j = tl.arange(0, BLOCK_N)
+    bt_row = BT + seq * sbt0
+    col, slot, first = triton_env.paged_tile(start, j, BLOCK_N, BLOCK_SIZE)
+    blk = tl.load(bt_row + col, mask=first < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         col, slot, first = triton_env.paged_tile(n0, j, BLOCK_N, BLOCK_SIZE)
         valid = n0 + j < end
         blk_ok = first < end  # whole blocks: the slots past ``end`` are read, then masked out
-        blk = tl.load(BT + seq * sbt0 + col, mask=blk_ok, other=0).to(tl.int64)
+        # K and V of this tile are issued together, then the next tile's block ids, so that the
+        # loads in flight do not wait on each other or on the block table
         k = tl.load(K + blk[None, :] * sk0 + kvh * sk1 + k_col[:, None] + slot[None, :] * sk3,
                     mask=blk_ok[None, :], other=0.0)
+        v = tl.load(V + blk[:, None] * sv0 + kvh * sv1 + d[None, :] * sv2 + slot[:, None] * sv3,
+                    mask=blk_ok[:, None], other=0.0)
+        next_col, _, next_first = triton_env.paged_tile(n0 + BLOCK_N, j, BLOCK_N, BLOCK_SIZE)
+        blk = tl.load(bt_row + next_col, mask=next_first < end, other=0).to(tl.int64)
         s = tl.dot(q, k, input_precision=PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * sv0 + kvh * sv1 + d[None, :] * sv2 + slot[:, None] * sv3,
-                    mask=blk_ok[:, None], other=0.0)
         v = tl.where(valid[:, None], v, 0.0)  # unwritten slots may hold NaN, and 0 * NaN is NaN
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -70,9 +87,11 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
 
 @triton.jit
 def _reduce_kernel(LENS, OUT, TMP, MAXS, SUMS, so0, so1, st0, st1, st2, sm0, sm1,
-                   HEAD: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                   num_splits, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                   SPLITS_PAD: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
-    used = tl.cdiv(tl.load(LENS + seq), SPLIT_LEN)
+    seq_len = tl.load(LENS + seq)
+    used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT))
     p = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD)
     live = p < used
@@ -84,9 +103,18 @@ def _reduce_kernel(LENS, OUT, TMP, MAXS, SUMS, so0, so1, st0, st1, st2, sm0, sm1
     tl.store(OUT + seq * so0 + head * so1 + d, out.to(OUT.dtype.element_ty))
 
 
+def num_splits(num_seqs: int, num_kv_heads: int, bound: int, device: torch.device, min_split: int,
+               programs_per_sm: int = 4) -> int:
+    """Splits per (sequence, kv head): enough programs to keep every SM busy with a few to spare,
+    no more than a context of ``bound`` tokens can fill at ``min_split`` tokens each."""
+    want = programs_per_sm * triton_env.num_sms(device)
+    return max(1, min(-(-want // max(1, num_seqs * num_kv_heads)), -(-bound // min_split)))
+
+
 def paged_decode_v2_triton(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
-                           block_n=64, num_warps=4, num_stages=2):
-    """``max_seq_len`` (an upper bound of ``seq_lens``) sizes the splits; by default the block table's width."""
+                           block_n=64, num_warps=4, num_stages=2, min_split=256, programs_per_sm=4):
+    """``max_seq_len`` (an upper bound of ``seq_lens``; by default the block table's width) caps the
+    number of splits. Each split covers at least ``min_split`` tokens (rounded up to ``block_n``)."""
     block_size = _check(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head = query.shape
     kvh = key_cache.shape[1]
@@ -101,10 +129,8 @@ def paged_decode_v2_triton(query, key_cache, value_cache, block_tables, seq_lens
     block_n = max(16, min(block_n, triton_env.pow2(bound)))
     if block_n % block_size and block_size % block_n:
         raise ValueError(f"block_n {block_n} and the cache's block size {block_size} must divide one another")
-    want = 4 * triton_env.num_sms(query.device)  # programs that keep every SM busy with a few to spare
-    splits = max(1, min(-(-want // (num_seqs * kvh)), -(-bound // block_n)))
-    split_len = -(-(-(-bound // splits)) // block_n) * block_n
-    splits = -(-bound // split_len)
+    min_split = -(-max(min_split, block_n) // block_n) * block_n
+    splits = num_splits(num_seqs, kvh, bound, query.device, min_split, programs_per_sm)
     single = splits == 1
     tmp = torch.empty(num_seqs, num_heads, splits, head, dtype=torch.float32, device=query.device)
     maxs = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
@@ -114,11 +140,11 @@ def paged_decode_v2_triton(query, key_cache, value_cache, block_tables, seq_lens
         query.stride(0), query.stride(1), *key_cache.stride()[:4], *value_cache.stride(), block_tables.stride(0),
         out.stride(0), out.stride(1), tmp.stride(0), tmp.stride(1), tmp.stride(2), maxs.stride(0), maxs.stride(1),
         GROUP=group, GROUP_PAD=triton_env.pow2(group, 16), HEAD=head, X=key_cache.shape[4], BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SPLIT_LEN=split_len, SINGLE=single, PRECISION=triton_env.dot_precision(query.dtype),
+        BLOCK_N=block_n, MIN_SPLIT=min_split, SINGLE=single, PRECISION=triton_env.dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages)
     if not single:
         _reduce_kernel[(num_seqs, num_heads)](
             seq_lens, out, tmp, maxs, sums, out.stride(0), out.stride(1), tmp.stride(0), tmp.stride(1),
-            tmp.stride(2), maxs.stride(0), maxs.stride(1), HEAD=head, SPLIT_LEN=split_len,
+            tmp.stride(2), maxs.stride(0), maxs.stride(1), splits, HEAD=head, BLOCK_N=block_n, MIN_SPLIT=min_split,
             SPLITS_PAD=triton_env.pow2(splits), num_warps=4)
     return out

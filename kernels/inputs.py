@@ -84,19 +84,55 @@ def prefix_prefill(seqs, num_heads=16, num_kv_heads=2, head_size=256, block_size
 
 
 def moe(tokens, hidden=2048, experts=256, intermediate=512, top_k=8, dtype=torch.float32, device="cpu", seed=None,
-        unused_experts=0) -> dict:
-    """``unused_experts``: that many experts get logits so low that no token picks them."""
+        unused_experts=0, shared_experts=0) -> dict:
+    """``unused_experts``: that many experts get logits so low that no token picks them.
+    ``shared_experts``: that many more experts (weights and logit columns) every token uses."""
     gen = _generator(device, seed)
 
     def rand(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
 
-    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    logits = torch.randn(tokens, experts + shared_experts, generator=gen, device=device)
     if unused_experts:
         logits[:, torch.randperm(experts, generator=gen, device=device)[:unused_experts]] -= 1e4
-    return dict(hidden_states=rand(tokens, hidden), router_logits=logits.to(dtype),
-                w13=rand(experts, 2 * intermediate, hidden, std=hidden ** -0.5),
-                w2=rand(experts, hidden, intermediate, std=intermediate ** -0.5), top_k=top_k)
+    total = experts + shared_experts
+    args = dict(hidden_states=rand(tokens, hidden), router_logits=logits.to(dtype),
+                w13=rand(total, 2 * intermediate, hidden, std=hidden ** -0.5),
+                w2=rand(total, hidden, intermediate, std=intermediate ** -0.5), top_k=top_k)
+    if shared_experts:
+        args["shared_experts"] = shared_experts
+    return args
+
+
+def rms_norm(tokens, hidden=2048, residual=True, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    gen = _generator(device, seed)
+
+    def rand(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+    args = dict(x=rand(tokens, hidden), weight=(1 + rand(hidden, std=0.1)).to(dtype), eps=1e-6)
+    if residual:
+        args["residual"] = rand(tokens, hidden, std=4.0)
+    return args
+
+
+def qk_norm_rope(tokens, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim=64, gated=True, theta=1e7,
+                 dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """q and k as the engine holds them: strided views into one fused qkv projection output (with a
+    sigmoid gate after each query head when ``gated``)."""
+    gen = _generator(device, seed)
+    q_width = num_heads * head_size * (2 if gated else 1)
+    qkv = (torch.randn(tokens, q_width + 2 * num_kv_heads * head_size, generator=gen, device=device) * 3).to(dtype)
+    q = qkv[:, :q_width].view(tokens, num_heads, -1)[:, :, :head_size]
+    k = qkv[:, q_width:q_width + num_kv_heads * head_size].view(tokens, num_kv_heads, head_size)
+    positions = torch.randint(0, 100_000, (tokens,), generator=gen, device=device)
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+
+    def weight():
+        return (1 + 0.1 * torch.randn(head_size, generator=gen, device=device)).to(dtype)
+
+    return dict(q=q, k=k, q_weight=weight(), k_weight=weight(), cos=freqs.cos(), sin=freqs.sin(), eps=1e-6)
 
 
 def gated_delta_rule(seq_lens, num_heads=4, num_k_heads=None, head_k=32, head_v=32, packed=None, l2norm=True,

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from kernels.routing import check_moe, route, sort_by_expert
 
 
-def moe_gather(hidden_states, router_logits, w13, w2, top_k, renormalize=True):
+def moe_gather(hidden_states, router_logits, w13, w2, top_k, renormalize=True, shared_experts=0):
     """The seed's baseline: for each used expert, index its scattered tokens out of the hidden states."""
-    _, _, _, inter = check_moe(hidden_states, router_logits, w13, w2, top_k)
-    weights, ids = route(router_logits, top_k, renormalize)
+    _, _, _, inter = check_moe(hidden_states, router_logits, w13, w2, top_k, shared_experts)
+    weights, ids = route(router_logits, top_k, renormalize, shared_experts)
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -21,12 +21,12 @@ def moe_gather(hidden_states, router_logits, w13, w2, top_k, renormalize=True):
     return out.to(hidden_states.dtype)
 
 
-def moe_sorted(hidden_states, router_logits, w13, w2, top_k, renormalize=True):
+def moe_sorted(hidden_states, router_logits, w13, w2, top_k, renormalize=True, shared_experts=0):
     """Token-expert pairs sorted by expert: contiguous segments, one activation, one scatter-add."""
-    _, _, num_experts, inter = check_moe(hidden_states, router_logits, w13, w2, top_k)
-    weights, ids = route(router_logits, top_k, renormalize)
+    _, _, num_experts, inter = check_moe(hidden_states, router_logits, w13, w2, top_k, shared_experts)
+    weights, ids = route(router_logits, top_k, renormalize, shared_experts)
     order, counts = sort_by_expert(ids, num_experts)
-    tok = order // top_k
+    tok = order // ids.shape[1]
     x = hidden_states[tok]  # the one gather: rows of each expert are now contiguous
     gate_up = x.new_empty(x.shape[0], 2 * inter)
     bounds = torch.cumsum(counts, 0).tolist()
@@ -42,12 +42,12 @@ def moe_sorted(hidden_states, router_logits, w13, w2, top_k, renormalize=True):
     return out.to(hidden_states.dtype)
 
 
-def moe_grouped_mm(hidden_states, router_logits, w13, w2, top_k, renormalize=True):
+def moe_grouped_mm(hidden_states, router_logits, w13, w2, top_k, renormalize=True, shared_experts=0):
     """The sorted dispatch with each projection as one ``torch._grouped_mm`` over all experts: no host sync."""
-    _, _, num_experts, inter = check_moe(hidden_states, router_logits, w13, w2, top_k)
-    weights, ids = route(router_logits, top_k, renormalize)
+    _, _, num_experts, inter = check_moe(hidden_states, router_logits, w13, w2, top_k, shared_experts)
+    weights, ids = route(router_logits, top_k, renormalize, shared_experts)
     order, counts = sort_by_expert(ids, num_experts)
-    tok = order // top_k
+    tok = order // ids.shape[1]
     offs = torch.cumsum(counts, 0).to(torch.int32)
     gate_up = torch._grouped_mm(hidden_states[tok], w13.transpose(1, 2), offs=offs)
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

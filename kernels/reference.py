@@ -64,19 +64,43 @@ def prefix_prefill(query, key, value, key_cache, value_cache, block_tables, quer
     return out.to(query.dtype)
 
 
-def moe(hidden_states, router_logits, w13, w2, top_k, renormalize=True):
+def moe(hidden_states, router_logits, w13, w2, top_k, renormalize=True, shared_experts=0):
     """Token by token; routing is the shared float32 routing, so the experts chosen match every variant."""
-    _, _, _, inter = check_moe(hidden_states, router_logits, w13, w2, top_k)
-    weights, ids = route(router_logits, top_k, renormalize)
+    _, _, _, inter = check_moe(hidden_states, router_logits, w13, w2, top_k, shared_experts)
+    weights, ids = route(router_logits, top_k, renormalize, shared_experts)
     out = torch.zeros(hidden_states.shape, dtype=torch.float64, device=hidden_states.device)
     for t in range(hidden_states.shape[0]):
         x = hidden_states[t].double()
-        for j in range(top_k):
+        for j in range(ids.shape[1]):
             e = int(ids[t, j])
             gate_up = w13[e].double() @ x
             act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
             out[t] += float(weights[t, j]) * (w2[e].double() @ act)
     return out.to(hidden_states.dtype)
+
+
+def _rms64(x, weight, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def rms_norm(x, weight, eps, residual=None):
+    if residual is None:
+        return _rms64(x, weight, eps).to(x.dtype)
+    s = x.double() + residual.double()
+    return _rms64(s, weight, eps).to(x.dtype), s.to(x.dtype)
+
+
+def _rope64(x, cos, sin):
+    half = cos.shape[-1]
+    cos, sin = cos.double()[:, None, :], sin.double()[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
+    return (_rope64(_rms64(q, q_weight, eps), cos, sin).to(q.dtype),
+            _rope64(_rms64(k, k_weight, eps), cos, sin).to(k.dtype))
 
 
 def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -1,11 +1,17 @@
-"""Top-k expert routing, shared by every MoE variant so that all of them pick the same experts."""
+"""Top-k expert routing, shared by every MoE variant so that all of them pick the same experts.
+
+With ``shared_experts`` = s, the last s experts of the weights are shared experts (Qwen2-MoE /
+Qwen3-Next style): every token uses each, weighted by the sigmoid of its own column of the router
+logits (the last s columns), so a shared expert runs in the same grouped GEMM as the routed ones.
+The softmax top-k runs over the other columns.
+"""
 from __future__ import annotations
 
 import torch
 
 
-def check_moe(hidden_states, router_logits, w13, w2, top_k) -> tuple[int, int, int, int]:
-    """Validate MoE operands; returns (tokens, hidden, experts, intermediate)."""
+def check_moe(hidden_states, router_logits, w13, w2, top_k, shared_experts=0) -> tuple[int, int, int, int]:
+    """Validate MoE operands; returns (tokens, hidden, experts, intermediate), shared experts counted."""
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
     t, h = hidden_states.shape
@@ -16,17 +22,26 @@ def check_moe(hidden_states, router_logits, w13, w2, top_k) -> tuple[int, int, i
         raise ValueError(f"w2 must be [{e}, {h}, {i}], got {tuple(w2.shape)}")
     if tuple(router_logits.shape) != (t, e):
         raise ValueError(f"router_logits must be [{t}, {e}], got {tuple(router_logits.shape)}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k must be in 1..{e}, got {top_k}")
+    if not 0 <= shared_experts < e:
+        raise ValueError(f"shared_experts must be in 0..{e - 1}, got {shared_experts}")
+    if not 1 <= top_k <= e - shared_experts:
+        raise ValueError(f"top_k must be in 1..{e - shared_experts}, got {top_k}")
     return t, h, e, i
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, k], expert ids int64 [T, k]): softmax in float32, top-k, optional renormalisation."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k + s], expert ids int64 [T, k + s]): softmax in float32 over the routed
+    experts, top-k, optional renormalisation; then the s shared experts with their sigmoid gates."""
+    routed = router_logits.shape[1] - shared_experts
+    probs = torch.softmax(router_logits[:, :routed].float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if shared_experts:
+        shared_ids = torch.arange(routed, routed + shared_experts, device=ids.device).expand(ids.shape[0], -1)
+        weights = torch.cat([weights, torch.sigmoid(router_logits[:, routed:].float())], dim=1)
+        ids = torch.cat([ids, shared_ids], dim=1)
     return weights, ids
 
 

@@ -16,7 +16,8 @@ PROMPTS = invariance_prompts()
 @pytest.fixture(scope="module")
 def expected():
     llm = LLM(tiny(**{"attention-decode": "reference", "attention-decode-long": "reference",
-                      "attention-prefill": "reference", "moe-dispatch": "reference"}))
+                      "attention-prefill": "reference", "moe-dispatch": "reference", "rms-norm": "reference",
+                      "qk-norm-rope": "reference"}))
     return llm, llm.generate(PROMPTS, MAX_TOKENS)
 
 
@@ -47,6 +48,9 @@ def _variant_cases():
         cases.append(("prefill-" + name, {"attention-prefill": name, "prefill-block-m": 16, "prefill-block-n": 16}))
     for name in kernels.variants("moe")[1:]:
         cases.append(("moe-" + name, {"moe-dispatch": name}))
+    for key in ("rms-norm", "qk-norm-rope"):
+        for name in kernels.variants(key.replace("-", "_"))[1:]:
+            cases.append((f"{key}-{name}", {key: name}))
     return cases
 
 

@@ -3,7 +3,8 @@ import torch
 from engine_helpers import tiny
 from engine.config import load_config
 from engine.layers.attention import write_kv
-from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from engine.layers.rotary_embedding import RotaryEmbedding
+from kernels.norm_torch import rotate
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -27,7 +28,7 @@ def test_partial_rotary_rotates_only_its_channels():
     rope = RotaryEmbedding(rotary_dim=8, base=10_000.0)
     x = torch.randn(3, 2, 32)
     cos, sin = rope.angles(torch.tensor([0, 1, 7]))
-    y = apply_rotary(x, cos, sin)
+    y = rotate(x, cos, sin)
     assert torch.equal(y[0], x[0])  # position 0: no rotation
     assert torch.equal(y[..., 8:], x[..., 8:])
     assert not torch.allclose(y[1:, :, :8], x[1:, :, :8])

@@ -8,6 +8,7 @@ from kernels import check, inputs
 TORCH_VARIANTS = [("paged_decode", "v1"), ("paged_decode", "v2"), ("paged_decode", "v2_layout"),
                   ("prefix_prefill", "loop"), ("prefix_prefill", "pregather"),
                   ("moe", "gather"), ("moe", "sorted"), ("moe", "grouped_mm"),
+                  ("rms_norm", "torch"), ("qk_norm_rope", "torch"),
                   ("gated_delta_rule", "recurrent"), ("gated_delta_rule", "chunk")]
 
 

@@ -12,8 +12,8 @@ DTYPES = [torch.float32, torch.float16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op,variant", [("paged_decode", "v2_triton"), ("prefix_prefill", "triton"),
-                                        ("moe", "triton"), ("gated_delta_rule", "triton_chunk"),
-                                        ("gated_delta_rule", "triton_recurrent")])
+                                        ("moe", "triton"), ("rms_norm", "triton"), ("qk_norm_rope", "triton"),
+                                        ("gated_delta_rule", "triton_chunk"), ("gated_delta_rule", "triton_recurrent")])
 def test_small_shape_list(op, variant, dtype):
     result = check.run(op, variant, "cpu", dtype, small=True)
     assert result["passed"], result
@@ -45,8 +45,29 @@ def test_decode_many_splits_and_explicit_bound(dtype):
     args = inputs.paged_decode([70, 3, 129], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, dtype=dtype)
     fn = kernels.get("paged_decode", "v2_triton")
     wide = {**args, "block_tables": torch.nn.functional.pad(args["block_tables"], (0, 40), value=10**6)}
-    assert _error("paged_decode", functools.partial(fn, block_n=16), wide) < check.TOLERANCE[dtype]
-    assert _error("paged_decode", functools.partial(fn, max_seq_len=129, block_n=16), args) < check.TOLERANCE[dtype]
+    assert _error("paged_decode", functools.partial(fn, block_n=16, min_split=16), wide) < check.TOLERANCE[dtype]
+    assert _error("paged_decode", functools.partial(fn, max_seq_len=129, block_n=16, min_split=16),
+                  args) < check.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("min_split", [16, 32, 48])
+def test_decode_splits_follow_each_sequence_length(min_split):
+    """The grid's split count is fixed on the host; each sequence spreads its own length over it,
+    so a short and a long context in one launch both come out right (and a loose bound only adds
+    programs that exit at once)."""
+    args = inputs.paged_decode([1, 16, 17, 200, 95], num_heads=4, num_kv_heads=2, head_size=16, block_size=8)
+    fn = kernels.get("paged_decode", "v2_triton")
+    for bound in (200, 4096):
+        err = _error("paged_decode", functools.partial(fn, max_seq_len=bound, block_n=16, min_split=min_split), args)
+        assert err < check.TOLERANCE[torch.float32], (bound, err)
+
+
+def test_decode_split_count_fills_the_machine_and_respects_the_minimum_split():
+    from kernels.decode_triton import num_splits
+    cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 16 programs wanted at 4 per SM
+    assert num_splits(1, 2, 4096, cpu, 256) == 8
+    assert num_splits(1, 2, 300, cpu, 256) == 2  # a 300-token bound fills 2 splits of 256
+    assert num_splits(64, 2, 4096, cpu, 256) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,3 +105,54 @@ def test_tiles_smaller_than_a_cache_block(op):
         args = inputs.prefix_prefill([(45, 20), (33, 16)], **shape)
         fn = functools.partial(kernels.get(op, "triton"), block_m=16, block_n=16)
     assert _error(op, fn, args) < check.TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_norms_round_the_residual_sum_as_the_unfused_add_does(dtype):
+    """The new residual is exactly x + residual in the input dtype, and both outputs match the torch path."""
+    args = inputs.rms_norm(7, hidden=40, dtype=dtype, seed=5)
+    out, res = kernels.get("rms_norm", "triton")(**args)
+    t_out, t_res = kernels.get("rms_norm", "torch")(**args)
+    assert torch.equal(res, args["x"] + args["residual"]) and torch.equal(t_res, res)
+    assert check.rel_error(out, t_out) < check.TOLERANCE[dtype]
+
+
+def test_qk_norm_rope_leaves_channels_past_the_rotary_dim_normalised_only():
+    args = inputs.qk_norm_rope(4, num_heads=2, num_kv_heads=1, head_size=32, rotary_dim=8, seed=6)
+    q, k = kernels.get("qk_norm_rope", "triton")(**args)
+    plain = kernels.get("rms_norm", "torch")(args["q"].reshape(-1, 32), args["q_weight"], args["eps"]).view(4, 2, 32)
+    torch.testing.assert_close(q[..., 8:], plain[..., 8:], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(q[..., :8], plain[..., :8], atol=1e-3)
+    assert q.is_contiguous() and k.shape == (4, 1, 32)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,shared,block_m", [(1, 8, 2, 0, 16), (37, 12, 3, 1, 4), (70, 5, 1, 2, 8),
+                                                                 (200, 64, 8, 1, 16)])
+def test_one_launch_routing_and_alignment_match_the_torch_ones(tokens, experts, top_k, shared, block_m):
+    """Same experts, same weights, and the same rows as the stable sort (pair counts not multiples of the chunk)."""
+    from kernels.moe_triton import align_triton, route_triton
+    args = inputs.moe(tokens, hidden=16, experts=experts, intermediate=8, top_k=top_k, shared_experts=shared,
+                      unused_experts=experts // 4, seed=tokens)
+    for renormalize in (True, False):
+        w, ids = route_triton(args["router_logits"], top_k, renormalize, shared)
+        w0, ids0 = routing.route(args["router_logits"], top_k, renormalize, shared)
+        assert torch.equal(ids.long(), ids0)
+        torch.testing.assert_close(w, w0, rtol=1e-6, atol=1e-6)
+    pairs, block_expert = align_triton(ids, experts + shared, block_m)
+    pairs0, block_expert0 = routing.align_block_size(ids0, experts + shared, block_m)
+    assert torch.equal(pairs, pairs0) and torch.equal(block_expert, block_expert0)
+
+
+@pytest.mark.parametrize("variant", ["reference", "gather", "sorted", "triton"])
+def test_a_shared_expert_is_the_gated_dense_mlp_added_to_the_routed_ones(variant):
+    """shared_experts=1 equals the routed MoE plus sigmoid(gate logit) x the last expert's MLP."""
+    import torch.nn.functional as F
+    args = inputs.moe(11, hidden=32, experts=8, intermediate=16, top_k=2, shared_experts=1, seed=8)
+    routed = kernels.get("moe", "reference")(args["hidden_states"].double(), args["router_logits"][:, :8].double(),
+                                             args["w13"][:8].double(), args["w2"][:8].double(), 2)
+    x = args["hidden_states"].double()
+    gate, up = (x @ args["w13"][8].double().T).chunk(2, dim=-1)
+    shared = (F.silu(gate) * up) @ args["w2"][8].double().T
+    expected = routed + torch.sigmoid(args["router_logits"][:, 8:].double()) * shared
+    out = kernels.get("moe", variant)(**args)
+    assert check.rel_error(out, expected) < 1e-5

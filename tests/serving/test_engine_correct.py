@@ -50,8 +50,8 @@ def test_first_run_records_and_passes(fp32_reference):
     assert set(out["passes"]) == {"as_configured", "long_decode"}
     assert all(p["exact"] and p["identical_token_fraction"] == 1.0 for p in out["passes"].values())
     checked = {(c["op"], c["variant"]) for c in out["kernel_checks"]}
-    assert checked == {("paged_decode", "v1"), ("paged_decode", "v2"),
-                       ("prefix_prefill", "pregather"), ("moe", "sorted")}
+    assert checked == {("paged_decode", "v1"), ("paged_decode", "v2"), ("prefix_prefill", "pregather"),
+                       ("moe", "sorted"), ("rms_norm", "torch"), ("qk_norm_rope", "torch")}
     assert all(c["passed"] for c in out["kernel_checks"])
     stored = json.loads(ref.read_text())
     assert stored["dtype"] == "float32" and stored["model"] == "tiny"

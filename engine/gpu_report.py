@@ -1,0 +1,370 @@
+"""One command for the engine's speed work on one GPU: correctness first, then the figures.
+
+    python -m engine.gpu_report [--layers 40] [--full-workload] [--sections checks,graphs,decode,moe,engine]
+
+In order, each section printed as soon as it is done (a run cut short keeps what it finished):
+
+1. ``checks``: every kernel the fast decode path runs (v2_triton, MoE triton, the fused norms, and
+   their torch fallbacks) against the float64 reference, bf16 and fp16 (``kernels.check``).
+2. ``graphs``: greedy tokens with and without CUDA graphs on the ``small`` preset (float32; add
+   bf16 with ``--graph-dtypes``; prefix caching off): graph replay against the same static step run
+   eagerly (must be identical) and against the plain eager engine.
+3. ``decode``: v2_triton's share of the copy bandwidth at batch 32 and 128, contexts 4K and 8K, over
+   a short sweep of its launch parameters.
+4. ``moe``: MoE triton against the weight-streaming floor and ``torch._grouped_mm``, 1 to 16,384
+   tokens, default and best of a few launch configurations.
+5. ``engine``: Qwen3.6-35B-A3B dimensions (``--layers`` of them): kernels launched per decode step
+   and the GPU-busy share of a step at batch 128 (torch.profiler), graphs off and on; then output
+   tok/s on 200 x (1,000 in, 200 out), graphs on and off (``--full-workload``: 200 x (1,000 in,
+   2,000 out), graphs on only; about 4-5 minutes alone).
+
+The last lines are a compact table; every figure also goes to ``$OUT/gpu_report.json`` when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kernels
+from kernels import bench, check
+
+SUMMARY: list[tuple[str, str, str]] = []  # (figure, value, target)
+RESULTS: dict = {}
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def summary(figure: str, value: str, target: str = "") -> None:
+    SUMMARY.append((figure, value, target))
+    say(f"  {figure}: {value}" + (f"  (target {target})" if target else ""))
+
+
+def _ms(fn, graph: bool = False) -> float | None:
+    """Median ms eagerly, or replayed from a CUDA graph (None when ``fn`` cannot be captured)."""
+    import triton.testing
+    if not graph:
+        return float(triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median"))
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+    except Exception as exc:  # not capturable: reported as such
+        say(f"  no graph timing: {type(exc).__name__}: {str(exc)[:120]}")
+        torch.cuda.synchronize()
+        return None
+
+
+# ---------------------------------------------------------------- 1. kernel checks
+CHECKED = [("paged_decode", "v2_triton"), ("moe", "triton"), ("rms_norm", "triton"), ("qk_norm_rope", "triton"),
+           ("rms_norm", "torch"), ("qk_norm_rope", "torch"), ("moe", "grouped_mm")]
+
+
+def section_checks(args) -> None:
+    rows = []
+    for op, variant in CHECKED:
+        for dtype in (torch.bfloat16, torch.float16):
+            r = check.run(op, variant, "cuda", dtype)
+            rows.append(r)
+            say(f"  {op:14s} {variant:10s} {str(dtype)[6:]:9s} passed={r['passed']} worst={r['worst_error']} "
+                f"{r.get('error', '')}")
+    RESULTS["checks"] = rows
+    failed = [f"{r['op']}/{r['variant']}/{r['dtype']}" for r in rows if not r["passed"]]
+    summary("kernel checks vs float64 (bf16, fp16)", "all passed" if not failed else "FAILED: " + ", ".join(failed))
+
+
+# ---------------------------------------------------------------- 2. greedy tokens with and without graphs
+FAST = {"attention-decode": ["v2_triton"], "attention-decode-long": ["v2_triton"], "attention-prefill": ["triton"],
+        "moe-dispatch": ["triton"], "rms-norm": ["triton"], "qk-norm-rope": ["triton"]}
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length + 7 * i % 29,), generator=g).tolist() for i in range(n)]
+
+
+def section_graphs(args) -> None:
+    from engine import LLM
+    out = {}
+    for dtype in args.graph_dtypes.split(","):
+        cfg = {"model": "small", "device": "cuda", "dtype": dtype, "max-model-len": 1024, "max-num-seqs": 64,
+               "kv-cache-memory": 1 << 30, "enable-prefix-caching": False, "cuda-graphs": True, **FAST}
+        llm = LLM(cfg)
+        runner = llm.engine.model_runner
+        prompts = _prompts(24, 40, 4096, 5)
+        graphs = runner.decode_graphs
+        if graphs is None:
+            summary(f"graphs, small preset {dtype}", f"not captured: {runner.graphs_off_reason}")
+            llm.close()
+            continue
+        with_graphs = llm.generate(prompts, 48)
+        replays = graphs.replays
+        runner.decode_graphs = None
+        eager = llm.generate(prompts, 48)
+        runner.use_static_decode(capture=False)
+        static = llm.generate(prompts, 48)
+        same_static = with_graphs == static
+        tokens = sum(map(len, eager))
+        same = sum(a == b for e, g in zip(eager, with_graphs) for a, b in zip(e, g))
+        first = min((next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), len(e))
+                     for e, g in zip(eager, with_graphs)), default=0)
+        out[dtype] = dict(replays=replays, identical_to_static_eager=same_static, identical_to_eager=with_graphs == eager,
+                          tokens=tokens, same_tokens=same, first_divergence=first)
+        summary(f"greedy tokens, graphs vs the same static step eager ({dtype})",
+                "identical" if same_static else "DIFFER", "identical")
+        summary(f"greedy tokens, graphs vs plain eager ({dtype})",
+                "identical" if with_graphs == eager else f"{same}/{tokens} same, first divergence at token {first}",
+                "identical")
+        del runner, graphs
+        llm.close()
+    RESULTS["graphs"] = out
+
+
+# ---------------------------------------------------------------- 3. decode attention
+def section_decode(args, copy_gbps: float) -> None:
+    fn = kernels.get("paged_decode", "v2_triton")
+    rows, best_rows = [], []
+    configs = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
+    configs += [dict(programs_per_sm=8), dict(block_n=32, programs_per_sm=8), dict(min_split=128)]
+    for b, c in [(32, 4096), (128, 4096), (128, 8192)]:
+        a, nbytes, _ = bench.decode_workload(batch=b, context=c)
+        default = _ms(lambda: fn(**a))
+        best, best_cfg = default, "default"
+        for cfg in configs:
+            try:
+                ms = _ms(lambda cfg=cfg: fn(**a, **cfg))
+            except Exception as exc:  # a configuration out of resources: skip it
+                say(f"  skipped {cfg}: {type(exc).__name__}")
+                continue
+            rows.append(dict(batch=b, context=c, **cfg, ms=ms, pct=100 * nbytes / ms / 1e6 / copy_gbps))
+            if ms < best:
+                best, best_cfg = ms, cfg
+        static = _ms(lambda: fn(**a, max_seq_len=262_144))  # a CUDA graph's bound: the model's whole length
+        pct = lambda ms: 100 * nbytes / ms / 1e6 / copy_gbps  # noqa: E731
+        best_rows.append(dict(batch=b, context=c, default_ms=default, default_pct=pct(default), best_ms=best,
+                              best_pct=pct(best), best=best_cfg, graph_bound_pct=pct(static)))
+        summary(f"decode v2_triton {b} x {c}", f"{pct(default):.0f}% of copy BW default, {pct(best):.0f}% best "
+                f"({best_cfg}), {pct(static):.0f}% with a 256K bound", ">= 80%")
+        del a
+        torch.cuda.empty_cache()
+    RESULTS["decode"] = dict(copy_gbps=copy_gbps, best=best_rows, sweep=rows)
+
+
+# ---------------------------------------------------------------- 4. MoE
+MOE_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for m, n, k, w, st in [
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 2), (128, 128, 64, 8, 3)]]
+
+
+def section_moe(args, copy_gbps: float, mm_tflops: float) -> None:
+    """Each variant timed eagerly and replayed from a CUDA graph (as a captured decode step runs it)."""
+    tri, gmm = kernels.get("moe", "triton"), kernels.get("moe", "grouped_mm")
+    rows = []
+    for t in (1, 8, 64, 256, 512, 2048, 16384):
+        a, nbytes, flops = bench.moe_workload(tokens=t)
+        floor = max(nbytes / copy_gbps / 1e6, flops / mm_tflops / 1e9)
+        graph = t <= 512  # sizes a captured decode step runs
+        row = dict(tokens=t, floor_ms=floor, triton_ms=_ms(lambda: tri(**a)), grouped_mm_ms=_ms(lambda: gmm(**a)))
+        if graph:
+            row.update(triton_graph_ms=_ms(lambda: tri(**a), True), grouped_mm_graph_ms=_ms(lambda: gmm(**a), True))
+        key = "triton_graph_ms" if graph else "triton_ms"
+        best, best_cfg = row[key], "default"
+        for cfg in MOE_SWEEP:
+            try:
+                ms = _ms(lambda cfg=cfg: tri(**a, config=cfg), graph)
+            except Exception as exc:
+                say(f"  skipped {cfg}: {type(exc).__name__}")
+                continue
+            if ms is not None and ms < best:
+                best, best_cfg = ms, "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                                                                    "num_stages"))
+        row.update(best_ms=best, best=best_cfg)
+        rows.append(row)
+        gmm_ms = row.get("grouped_mm_graph_ms") or row["grouped_mm_ms"]
+        summary(f"MoE {t} tokens{' (graph replay)' if graph else ''}",
+                f"triton {row[key]:.3f} ms = {row[key] / floor:.2f}x floor ({best / floor:.2f}x best, {best_cfg}); "
+                f"grouped_mm {gmm_ms:.3f} ms; eager triton {row['triton_ms']:.3f} vs grouped_mm "
+                f"{row['grouped_mm_ms']:.3f}", "<= 1.3x floor at 256; <= grouped_mm")
+        del a
+        torch.cuda.empty_cache()
+    RESULTS["moe"] = rows
+
+
+# ---------------------------------------------------------------- 5. the engine at Qwen3.6-35B-A3B dimensions
+def _kernel_intervals(prof) -> list[tuple[float, float]]:
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            out.append((e.time_range.start, e.time_range.end))
+    return out
+
+
+def _busy_us(intervals) -> float:
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def _steady_decode(engine, batch: int, prompt_len: int, seed: int) -> None:
+    for p in _prompts(batch, prompt_len, engine.config.vocab_size, seed):
+        engine.add_request(p, 3000)
+    while any(s.num_computed_tokens < len(s) - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
+def _profile_steps(engine, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    intervals = _kernel_intervals(prof)
+    busy = _busy_us(intervals) / 1e3 / steps
+    return dict(kernels_per_step=len(intervals) / steps, wall_ms=wall * 1e3, gpu_busy_ms=busy,
+                busy_fraction=busy / (wall * 1e3))
+
+
+def _throughput(engine, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+    prompts = _prompts(num_prompts, input_len, engine.config.vocab_size, seed)
+    prompts = [p[:input_len] for p in prompts]
+    if engine.model_runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, output_len)
+    generated = 0
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    elapsed = time.perf_counter() - t0
+    return dict(num_prompts=num_prompts, input_len=input_len, output_len=output_len, elapsed_s=elapsed,
+                output_tok_s=generated / elapsed, input_tok_s=num_prompts * input_len / elapsed)
+
+
+def section_engine(args) -> None:
+    from engine.llm_engine import LLMEngine
+    cfg = {"model": "qwen3.6-35b-a3b", "num-layers": args.layers, "device": "cuda", "dtype": "bfloat16",
+           "max-model-len": 4096, "max-num-seqs": 256, "max-num-batched-tokens": 32768,
+           "gpu-memory-utilization": 0.9, "cuda-graphs": True, "enable-prefix-caching": False, **FAST}
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    runner = engine.model_runner
+    startup = time.perf_counter() - t0
+    graphs = runner.decode_graphs
+    summary(f"engine start-up ({args.layers} layers, graphs captured)", f"{startup:.0f} s; kernels "
+            f"{engine.kernel_choice}; graphs: {'captured' if graphs else runner.graphs_off_reason}")
+    out = dict(layers=args.layers, startup_s=startup, kernel_choice=engine.kernel_choice,
+               graphs_off_reason=runner.graphs_off_reason)
+    _steady_decode(engine, 128, 1000, seed=11)
+    for label, g in (("eager", None), ("graphs", graphs)):
+        if label == "graphs" and g is None:
+            continue
+        runner.decode_graphs = g
+        prof = _profile_steps(engine, 5)
+        if g is not None:  # the GPU time of one replay alone, in case the profiler does not see into graphs
+            graph = g.graphs[g.bucket(128)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(5):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            prof["replay_ms"] = sorted(times)[2]
+            prof["replay_busy_fraction"] = prof["replay_ms"] / prof["wall_ms"]
+        out[f"decode_step_{label}"] = prof
+        summary(f"decode step at batch 128, {label}",
+                f"{prof['kernels_per_step']:.0f} kernels ({prof['kernels_per_step'] / args.layers:.1f}/layer), "
+                f"{prof['wall_ms']:.1f} ms wall, GPU busy {prof['gpu_busy_ms']:.1f} ms "
+                f"({100 * prof['busy_fraction']:.0f}%)"
+                + (f"; one replay {prof['replay_ms']:.1f} ms = {100 * prof['replay_busy_fraction']:.0f}% of the step"
+                   if g else ""), ">= 85% busy" if g else "<= 20 kernels/layer")
+    for rid in list(engine._requests):
+        engine.abort(rid)
+    runs = [("graphs", graphs, 2000 if args.full_workload else 200)]
+    if not args.full_workload:
+        runs.append(("eager", None, 200))
+    for label, g, output_len in runs:
+        if label == "graphs" and g is None:
+            continue
+        runner.decode_graphs = g
+        r = _throughput(engine, 200, 1000, output_len, seed=21 if label == "graphs" else 22)
+        out[f"throughput_{label}"] = r
+        summary(f"engine 200 x (1000 in, {output_len} out), {label}", f"{r['output_tok_s']:.0f} output tok/s "
+                f"({r['elapsed_s']:.1f} s)", ">= 5,000 on 200 x (1000 / 2000)" if label == "graphs" else "")
+    runner.decode_graphs = graphs
+    RESULTS["engine"] = out
+
+
+SECTIONS = ("checks", "graphs", "decode", "moe", "engine")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.gpu_report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--layers", type=int, default=40, help="engine section: layers of Qwen3.6-35B-A3B")
+    p.add_argument("--graph-dtypes", default="float32",
+                   help="graphs section: dtypes of the small-preset check (comma-separated, e.g. float32,bfloat16)")
+    p.add_argument("--full-workload", action="store_true",
+                   help="engine section: 200 x (1,000 in, 2,000 out) with graphs, instead of 200 out on and off")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_report needs a CUDA device", file=sys.stderr)
+        return 2
+    from kernels.h200_report import ceilings
+    props = torch.cuda.get_device_properties(0)
+    say(f"## {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    sections = args.sections.split(",")
+    copy_gbps = mm_tflops = None
+    if {"decode", "moe"} & set(sections):
+        copy_gbps, mm_tflops = ceilings()
+        say(f"ceilings: copy {copy_gbps:.0f} GB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
+        RESULTS["ceilings"] = dict(copy_gbps=copy_gbps, matmul_tflops=mm_tflops)
+    for name in SECTIONS:
+        if name not in sections:
+            continue
+        say(f"\n### {name}")
+        t0 = time.perf_counter()
+        try:
+            if name == "checks":
+                section_checks(args)
+            elif name == "graphs":
+                section_graphs(args)
+            elif name == "decode":
+                section_decode(args, copy_gbps)
+            elif name == "moe":
+                section_moe(args, copy_gbps, mm_tflops)
+            else:
+                section_engine(args)
+        except Exception as exc:  # report and go on: the other sections still measure
+            import traceback
+            traceback.print_exc()
+            summary(f"section {name}", f"FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+        say(f"  ({time.perf_counter() - t0:.0f} s)")
+        gc.collect()
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "gpu_report.json"
+        path.write_text(json.dumps({"summary": SUMMARY, **RESULTS}, indent=1, default=str))
+    width = max(len(f) for f, _, _ in SUMMARY) if SUMMARY else 0
+    say("\n## Summary")
+    for figure, value, target in SUMMARY:
+        say(f"{figure.ljust(width)} | {value}" + (f" | target {target}" if target else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
