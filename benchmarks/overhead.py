@@ -58,7 +58,7 @@ def stage_overhead(base: Path, iterations: int) -> dict:
     for i in range(iterations):
         project = load(make_project(base / f"cold{i}"))
         store = Store(project.db_path)
-        journal = Journal(store, project.state_dir / "blobs")
+        journal = Journal(store, project.state_dir, project.target.roots)
         plugin = load_all(project.plugins_dir, project.target.roots, {})[0]
         run = open_run(project, store, journal, "run")
         stager = Stager(run, Measurer(run), Deployment(store, journal))

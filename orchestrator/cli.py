@@ -35,9 +35,10 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="orchestrator.yaml (defaul
 
 
 def command(fn: Callable) -> Callable:
-    """Map errors to the documented exit codes."""
+    """Map errors to the documented exit codes; the disk or the history failing is a message, not a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        import sqlite3
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
@@ -45,6 +46,15 @@ def command(fn: Callable) -> Callable:
             raise typer.Exit(2)
         except UserError as e:
             err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except sqlite3.DatabaseError as e:
+            from orchestrator.store import OPENED, problem
+            err.print(f"[red]error:[/] {escape(str(problem(OPENED[-1] if OPENED else Path('orchestrator.db'), e)))}",
+                      highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except OSError as e:
+            from orchestrator.failures import describe_os_error
+            err.print(f"[red]error:[/] {escape(describe_os_error(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
     return wrapper
 
@@ -61,19 +71,43 @@ def _plugins(project):
     return load_all(project.plugins_dir, project.target.roots, project.target.vars, project.policy, project.target.kind)
 
 
-def _open(project):
+def _open(project, need_roots: bool = True):
+    """The store and journal of a writing command; where the roots are is checked before anything is written."""
     from orchestrator.journal import Journal
-    from orchestrator.store import Store
+    from orchestrator.roots import bind, record
+    from orchestrator.store import Reader, Store, has_history
+    history = Reader(project.db_path) if has_history(project.db_path) else None
+    try:
+        roots = bind(project, history, need_roots)
+    finally:
+        if history is not None:
+            history.close()
     store = Store(project.db_path)
-    return store, Journal(store, project.state_dir / "blobs")
+    record(store, roots)
+    return store, Journal(store, project.state_dir, roots)
 
 
-def _recover(store, journal) -> None:
-    from orchestrator.recovery import recover
+def _recover(store, journal, force: bool = False, command: bool = False) -> int:
+    """Recover, saying what was put back, what was left as it is, and what only the intent log knew of."""
+    from orchestrator.recovery import describe_left, recover
     from orchestrator.store import label
-    for step in recover(store, journal):
-        console.print(f"recovered: [red]{escape(label(step))}[/] rolled back (interrupted during {step['state']}) "
-                      f"in run {step['run_id']}", highlight=False)
+    done = recover(store, journal, force=force)
+    for r in done:
+        step = r.step
+        if r.unit.unrecorded:
+            err.print(f"[yellow]warning:[/] step {step['id']} ({escape(r.unit.name)}) changed "
+                      f"{escape(', '.join(r.unit.unrecorded))} but the history had no record of it (a damaged "
+                      "database or write-ahead log); restored from the intent log", highlight=False, soft_wrap=True)
+        if r.unit.step is not None and r.unit.step["state"] != "done" and command:
+            console.print(f"[red]rolled_back[/] {escape(label(step))}: interrupted during {step['state']} "
+                          f"(run {step['run_id']})", highlight=False, soft_wrap=True)
+        elif r.unit.step is not None and r.unit.step["state"] != "done":
+            console.print(f"recovered: [red]{escape(label(step))}[/] rolled back (interrupted during {step['state']}) "
+                          f"in run {step['run_id']}", highlight=False, soft_wrap=True)
+        if r.plan.left:
+            console.print(f"  left as they are: {escape(describe_left(r.plan.left))}", highlight=False,
+                          soft_wrap=True)
+    return len(done)
 
 
 class LiveReporter:
@@ -170,14 +204,15 @@ def status(config: Optional[Path] = ConfigOpt,
            runs: bool = typer.Option(False, "--runs", help="list all runs")) -> None:
     """Outcomes of the latest run (works while a run is going)."""
     from orchestrator.status import runs_table, status_data
-    from orchestrator.store import Reader
+    from orchestrator.store import Reader, has_history
     project = _project(config)
-    if not project.db_path.exists():
+    store = Reader(project.db_path) if project.db_path.exists() else None
+    if store is None or not has_history(project.db_path) or store.empty():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Reader(project.db_path)
     if runs:
         if json_out:
-            print(json.dumps(store.runs(), indent=1, default=str))
+            from orchestrator.status import shown
+            print(json.dumps([shown(store, r) for r in store.runs()], indent=1, default=str))
         else:
             console.print(runs_table(store))
         return
@@ -204,13 +239,13 @@ def show_status(data: dict) -> None:
 def plan(config: Optional[Path] = ConfigOpt) -> None:
     """The ordered plan, preconditions and the diff each plugin would make. Changes nothing."""
     from orchestrator.plan import build_plan
-    from orchestrator.store import Reader
+    from orchestrator.store import Reader, has_history
     project = _project(config)
     plugins = _plugins(project)
     kept: set[str] = set()
-    if project.db_path.exists():
+    if has_history(project.db_path):
         store = Reader(project.db_path)
-        kept = set(store.deployed())
+        kept = set() if store.empty() else set(store.deployed())
     for root in dict.fromkeys(project.target.roots.values()):
         if not root.exists():
             console.print(f"[yellow]{escape(str(root))} does not exist yet: the first `orchestrator run` creates it; "
@@ -233,7 +268,8 @@ def plan(config: Optional[Path] = ConfigOpt) -> None:
 @command
 def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept plugins to roll back"),
              all_: bool = typer.Option(False, "--all", help="every kept plugin, newest first"),
-             force: bool = typer.Option(False, "--force", help="overwrite files changed since they were kept"),
+             force: bool = typer.Option(False, "--force", help="overwrite files changed since they were kept (and, "
+                                        "in the recovery first, since an interrupted command stopped)"),
              config: Optional[Path] = ConfigOpt) -> None:
     """Undo kept plugins in reverse order, byte for byte."""
     from orchestrator.lock import project_lock
@@ -244,33 +280,59 @@ def rollback(plugin_ids: Optional[List[str]] = typer.Argument(None, help="kept p
     plugins = {p.id: p for p in _plugins(project)}
     with project_lock(project):
         store, journal = _open(project)
-        _recover(store, journal)
-        todo = plan_rollback(store, journal, None if all_ else _ids(plugin_ids), force)
-        if not todo:
+        _recover(store, journal, force)
+        todo = plan_rollback(store, journal, None if all_ else _ids(plugin_ids), force, plugins)
+        if todo:
+            for row in roll_back(store, journal, project, todo, plugins):
+                console.print(f"[red]rolled_back[/] {escape(row['plugin'])}", highlight=False)
+        else:
             console.print("nothing to roll back")
-            return
-        for row in roll_back(store, journal, project, todo, plugins):
-            console.print(f"[red]rolled_back[/] {escape(row['plugin'])}", highlight=False)
+        if all_:
+            _collected(journal)
+
+
+def _collected(journal) -> None:
+    removed, freed = journal.collect()
+    if removed:
+        console.print(f"removed {removed} blob(s) no longer needed ({freed / 1e6:.1f} MB)", highlight=False)
 
 
 @app.command()
 @command
-def recover(config: Optional[Path] = ConfigOpt) -> None:
+def gc(config: Optional[Path] = ConfigOpt) -> None:
+    """Delete the blobs (pre- and post-images) no kept plugin or unfinished step needs."""
+    from orchestrator.lock import project_lock
+    from orchestrator.store import has_history
+    project = _project(config)
+    if not has_history(project.db_path):
+        console.print("nothing to collect")
+        return
+    with project_lock(project, need_roots=False):
+        store, journal = _open(project, need_roots=False)
+        _recover(store, journal)  # an unfinished step's images are needed until it is recovered
+        removed, freed = journal.collect()
+        console.print(f"removed {removed} blob(s) no longer needed ({freed / 1e6:.1f} MB); "
+                      f"{sum(1 for _ in journal.blobs.iterdir())} kept", highlight=False)
+
+
+@app.command()
+@command
+def recover(config: Optional[Path] = ConfigOpt,
+            force: bool = typer.Option(False, "--force", help="also overwrite recorded paths changed after the run "
+                                       "stopped, and leave those whose pre-image is missing or damaged as they are")
+            ) -> None:
     """Restore the last kept state after a crash (also done at the start of run and rollback)."""
     from orchestrator.lock import project_lock
-    from orchestrator.recovery import recover as do_recover
-    from orchestrator.store import label
+    from orchestrator.store import Reader, has_history
     project = _project(config)
-    if not project.db_path.exists():
+    if not has_history(project.db_path):
+        if project.db_path.exists():
+            Reader(project.db_path)  # a zero-length database beside recorded images is a lost history: say so
         console.print("nothing to recover")
         return
     with project_lock(project, need_roots=False):
-        store, journal = _open(project)
-        rolled = do_recover(store, journal)
-        for step in rolled:
-            console.print(f"[red]rolled_back[/] {escape(label(step))}: interrupted during {step['state']} "
-                          f"(run {step['run_id']})", highlight=False)
-        if not rolled:
+        store, journal = _open(project, need_roots=False)
+        if not _recover(store, journal, force, command=True):
             console.print("nothing to recover")
 
 
@@ -350,11 +412,11 @@ def report(config: Optional[Path] = ConfigOpt,
         from orchestrator.report import write_report
     except ImportError as e:
         raise UserError(f"reports are not available in this installation (orchestrator.report: {e})")
-    from orchestrator.store import Reader
+    from orchestrator.store import Reader, has_history
     project = _project(config)
-    if not project.db_path.exists():
+    store = Reader(project.db_path) if project.db_path.exists() else None
+    if store is None or not has_history(project.db_path) or store.empty():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    store = Reader(project.db_path)
     run_row = store.run(run_id) if run_id is not None else store.run()
     if run_row is None:
         raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")

@@ -49,6 +49,11 @@ class RunContext:
             env[f"ORCHESTRATOR_ROOT_{re.sub(r'[^A-Za-z0-9]', '_', name).upper()}"] = str(path)
         return env
 
+    def tick(self, elapsed: float, tail: str) -> None:
+        """While a process runs: a sign of life for recovery (journal.alive), and progress for the reporter."""
+        self.journal.alive()
+        self.reporter.tick(elapsed, tail)
+
     def recorder(self, step_id: int | None):
         """`on_start` for run_process: records the process so that recovery can kill what a crash leaves."""
         def on_start(what: str, pid: int, create_time: float):
@@ -58,7 +63,7 @@ class RunContext:
 
     def context(self, plugin: Plugin, step_id: int | None) -> StepContext:
         return StepContext(self.project.target.roots, self.kind, plugin.folder, self.env(plugin.id), self.journal,
-                           step_id, on_start=self.recorder(step_id), on_tick=self.reporter.tick, tmp_dir=self.tmp)
+                           step_id, on_start=self.recorder(step_id), on_tick=self.tick, tmp_dir=self.tmp)
 
     def undo_steps(self, plugin: Plugin, params: dict[str, Any] | None, step_id: int) -> None:
         """The plugin's own rollback steps (of the variant with these params), in reverse, after its files were

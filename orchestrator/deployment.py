@@ -6,8 +6,10 @@ Nothing is cached here: the table is the only record of what is kept, read again
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from orchestrator.images import same
 from orchestrator.journal import Journal
 from orchestrator.store import Store, loads
 
@@ -31,24 +33,26 @@ class Deployment:
         return row is not None and not self.drifted(row["step_id"])
 
     def files(self, step_id: int) -> list[dict]:
-        return [f for f in self.store.file_rows(step_id) if f["kind"] == "file"]
+        """The paths a step changed (files, symlinks, folders), with their images."""
+        return self.store.file_rows(step_id)
 
     def drifted(self, step_id: int) -> list[str]:
-        """Files of a kept step that no longer hold what the deployment expects (the last kept post-image)."""
-        expected: dict[tuple[str, str], str | None] = {}
+        """Paths of a kept step that no longer hold what the deployment expects (the last kept post-image, mode
+        included)."""
+        expected: dict[Path, tuple] = {}
         for row in self.rows().values():
             for f in self.files(row["step_id"]):
-                expected[(f["root_path"], f["path"])] = f["after"]
+                expected[self.journal.path(f)] = (f["after"], f["after_mode"])
         return [f["path"] for f in self.files(step_id)
-                if self.journal.current(f) != expected.get((f["root_path"], f["path"]), f["after"])]
+                if not same(self.journal.current(f), expected.get(self.journal.path(f), (f["after"], f["after_mode"])))]
 
     def clashes(self, step_id: int) -> list[str]:
         """Later kept plugins that changed a file of this step: its pre-images would undo their changes too."""
         order = [row["step_id"] for row in self.rows().values()]
-        mine = {(f["root_path"], f["path"]) for f in self.files(step_id)}
+        mine = {self.journal.path(f) for f in self.files(step_id)}
         found = []
         for later in order[order.index(step_id) + 1:] if step_id in order else []:
-            shared = sorted(f["path"] for f in self.files(later) if (f["root_path"], f["path"]) in mine)
+            shared = sorted(f["path"] for f in self.files(later) if self.journal.path(f) in mine)
             if shared:
                 found.append(f"{self.store.step(later)['plugin']} ({', '.join(shared)})")
         return found
@@ -71,11 +75,8 @@ class Deployment:
     def replace(self, plugin_id: str, row: dict, step_id: int, reason: str, detail: str, **fields: Any) -> None:
         """A re-judged plugin's new step becomes its record, at the old record's place in the order. The new
         step compared the plugin's post-images (its pre) with its pre-images (its post): its rows turn round."""
-        dirs = [dict(step_id=step_id, root=d["root"], root_path=d["root_path"], path=d["path"], kind="dir")
-                for d in self.store.file_rows(row["step_id"]) if d["kind"] == "dir"]
         with self.store.transaction():
             self.store.swap_images(step_id)
-            self.store.add_files(dirs)
             self.store.deploy(plugin_id, step_id, loads(row["params"]), kept_at=row["kept_at"])
             self.store.finish_step(step_id, "kept", reason, detail, **fields)
 

@@ -1,8 +1,9 @@
-"""Content-addressed snapshots (state/blobs/<sha256>) and the per-step record of touched files.
+"""Content-addressed snapshots (state/blobs/<sha256>) and the per-step record of touched paths.
 
-A file's pre-image is durable before the file is touched, so whatever instant the process dies at,
-`restore` can put back the last kept state. Recovery rewrites every file of an unfinished step
-from its blob, so a write to the target interrupted half-way is repaired too.
+A path's pre-image is durable before the path is touched, so whatever instant the process dies at, `restore` can
+put back the last kept state. Recovery rewrites every file of an unfinished step from its blob, so a write to the
+target interrupted half-way is repaired too. Images (images.py) are files with their bytes, symlinks with their
+target text and folders, each with its mode: measurement arms switch all of them, and rollback restores them.
 """
 from __future__ import annotations
 
@@ -14,18 +15,14 @@ import stat
 from pathlib import Path
 from typing import Callable
 
+from orchestrator import images
+from orchestrator.errors import UserError
+from orchestrator.images import DIR, LINK, Image, TouchError, sha256_file  # noqa: F401 - TouchError re-exported
+from orchestrator.intents import Intents
 from orchestrator.store import Store
 
 TMP_SUFFIX = ".orch-tmp"
-CHUNK = 1 << 20
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+CHUNK = images.CHUNK
 
 
 def _fsync_dir(path: Path) -> None:
@@ -69,15 +66,44 @@ def write_image(path: Path, data: bytes, mode: int | None = None) -> None:
         os.chmod(path, stat.S_IMODE(mode))
 
 
-class TouchError(Exception):
-    """A file a step wants to change cannot be snapshotted (e.g. it is a symlink or a folder)."""
+def _is_digest(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def _depth(item: tuple) -> int:
+    return len(item[0].parts)
+
+
+def _kind(image: str | None) -> str | None:
+    return None if image is None else "dir" if image == DIR else "link" if image.startswith(LINK) else "file"
+
+
+def _kind_on_disk(st: os.stat_result) -> str:
+    return "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+
+
+class BlobError(UserError):
+    """Blobs an image needs are missing or do not hash to their names: nothing was written."""
+
+    def __init__(self, problems: list[tuple[Path, str, str]]):
+        self.problems = problems  # (blob, what it holds, why it cannot be used)
+        super().__init__("refused, nothing was changed: " + "; ".join(
+            f"{blob} is {why}: it holds {what}" for blob, what, why in problems) +
+            ". The state folder is damaged: put the blob back from a backup, or restore the file by hand")
 
 
 class Journal:
-    def __init__(self, store: Store, blobs: Path):
+    """`roots`: where each root named in the history is (roots.bind): rows hold a root's name and a path inside it."""
+
+    def __init__(self, store: Store, state_dir: Path, roots: dict[str, Path]):
         self.store = store
-        self.blobs = Path(blobs)
+        self.roots = {name: Path(path) for name, path in roots.items()}
+        self.state_dir = Path(state_dir)
+        self.blobs = self.state_dir / "blobs"
         self.blobs.mkdir(parents=True, exist_ok=True)
+        self.intents = Intents(self.state_dir)
+        self.heartbeat = self.state_dir / "heartbeat"
+        self._verified: set[str] = set()
         self.watchers: list[Callable[[], None]] = []
 
     def watch(self, before_change: Callable[[], None]) -> None:
@@ -90,19 +116,52 @@ class Journal:
         for before_change in self.watchers:
             before_change()
 
+    def alive(self) -> None:
+        """The command is alive and may be about to change the target: recovery counts changes made later than
+        a second after the last such sign as someone else's (recovery.SETTLE)."""
+        try:
+            os.utime(self.heartbeat)
+        except FileNotFoundError:
+            self.heartbeat.touch()
+
+    def last_alive(self) -> float | None:
+        """When the last command of this state folder last gave a sign of life (None: never recorded)."""
+        try:
+            return self.heartbeat.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def path(self, row: dict) -> Path:
+        """Where a files row's path is on disk."""
+        return self.roots[row["root"]] / row["path"]
+
     # blobs
-    def put_file(self, path: Path) -> tuple[str, int]:
+    def put_file(self, path: Path) -> str:
+        """Store a file's bytes as a blob named by their hash; the name is that of the bytes copied, hashed as
+        they are written, so a blob always hashes to its name."""
         digest = sha256_file(path)
         blob = self.blobs / digest
         if not blob.exists():
             tmp = self.blobs / f".{digest}{TMP_SUFFIX}"
-            with open(path, "rb") as src, open(tmp, "wb") as dst:
-                shutil.copyfileobj(src, dst, CHUNK)
-                dst.flush()
-                os.fsync(dst.fileno())
+            copied = hashlib.sha256()
+            try:
+                with open(path, "rb") as src, open(tmp, "wb") as dst:
+                    while chunk := src.read(CHUNK):
+                        copied.update(chunk)
+                        dst.write(chunk)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                if e.filename is None:  # a failed write names no file: name the blob being written
+                    e.filename = str(tmp)
+                raise
+            digest = copied.hexdigest()  # the file changed after it was hashed: these are the bytes kept
+            blob = self.blobs / digest
             os.replace(tmp, blob)
             _fsync_dir(self.blobs)
-        return digest, path.stat().st_mode
+            self._verified.add(digest)
+        return digest
 
     def put_bytes(self, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
@@ -110,10 +169,50 @@ class Journal:
         if not blob.exists():
             write_atomic(blob, data, durable=True)
             _fsync_dir(self.blobs)
+            self._verified.add(digest)
         return digest
 
-    def blob(self, digest: str) -> bytes:
+    def blob(self, digest: str, what: str = "a recorded image") -> bytes:
+        why = self.blob_problem(digest)
+        if why:
+            raise BlobError([(self.blobs / digest, what, why)])
         return (self.blobs / digest).read_bytes()
+
+    def blob_problem(self, digest: str) -> str | None:
+        """Why the blob cannot be trusted (missing, or its bytes hash to another name), None when it can; a
+        blob checked once is not hashed again by this process."""
+        if digest in self._verified:
+            return None
+        try:
+            actual = sha256_file(self.blobs / digest)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+        if actual != digest:
+            return f"damaged (its bytes hash to {actual})"
+        self._verified.add(digest)
+        return None
+
+    def check_blobs(self, needed: list[tuple[str, Path]]) -> None:
+        """BlobError naming every blob of (digest, path it restores) that cannot be trusted."""
+        problems = [(self.blobs / d, f"the image of {p}", why) for d, p in needed if (why := self.blob_problem(d))]
+        if problems:
+            raise BlobError(problems)
+
+    def keep(self, path: Path) -> Image:
+        """The image at `path`, a file's bytes stored as a blob first."""
+        st = os.lstat(path) if os.path.lexists(path) else None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return self.put_file(path), stat.S_IMODE(st.st_mode)
+        return images.read(path, st)
+
+    def current(self, row: dict) -> Image:
+        """What a row's path holds now."""
+        try:
+            return images.read(self.path(row))
+        except (TouchError, OSError) as e:
+            return f"unreadable: {e}", None
 
     # recording, before a step touches anything
     def track(self, step_id: int, root_name: str, root: Path, rel: str) -> None:
@@ -127,176 +226,220 @@ class Journal:
         for root_name, root, rel in paths:
             if (root_name, rel) not in known:
                 rows += self._pre_rows(step_id, root_name, root, rel, known)
-        if rows:
-            self.store.add_files(rows)
+        self.alive()
+        self.record(step_id, rows)
+
+    def track_images(self, step_id: int, paths: list[tuple[str, str]]) -> None:
+        """Record what (root name, path) pairs hold now, whatever they are, before they are switched to other
+        recorded images (a rollback of a kept plugin)."""
+        known = {(r["root"], r["path"]) for r in self.store.file_rows(step_id)}
+        rows = []
+        for root_name, rel in dict.fromkeys(paths):
+            if (root_name, rel) not in known:
+                before, mode = self.keep(self.roots[root_name] / rel)
+                rows.append(dict(step_id=step_id, root=root_name, path=rel, before=before, before_mode=mode))
+        self.record(step_id, rows)
+
+    def record(self, step_id: int, rows: list[dict]) -> None:
+        """Add path rows of a step: announced in the intent log first, then committed to the database."""
+        if not rows:
+            return
+        step = self.store.step(step_id)
+        self.intents.add([{"step": step_id, "run": step["run_id"], "plugin": step["plugin"], **{
+            k: r.get(k) for k in ("root", "path", "before", "before_mode", "after", "after_mode", "sealed")}}
+            for r in rows])
+        self.store.add_files(rows)
 
     def _pre_rows(self, step_id: int, root_name: str, root: Path, rel: str, known: set) -> list[dict]:
+        """Rows for a file a declarative step will write, and for the folders it needs created."""
         full = root / rel
         if full.is_symlink():
             raise TouchError(f"{rel}: refusing to change a symlink")
-        if full.exists() and not full.is_file():
+        if full.is_dir():
+            raise TouchError(f"{rel}: is a folder, not a file")
+        if os.path.lexists(full) and not full.is_file():
             raise TouchError(f"{rel}: is not a regular file")
         rows = []
-        parent = Path(rel).parent
         missing = []
-        while str(parent) not in ("", ".") and not (root / parent).exists():
+        parent = Path(rel).parent
+        while str(parent) not in ("", "."):
+            if os.path.lexists(root / parent):
+                if not (root / parent).is_dir():
+                    raise TouchError(f"{rel}: {parent} is a file, not a folder")
+                break
             missing.append(parent)
             parent = parent.parent
         for d in reversed(missing):
             if (root_name, str(d)) not in known:
                 known.add((root_name, str(d)))
-                rows.append(dict(step_id=step_id, root=root_name, root_path=str(root), path=str(d), kind="dir"))
-        tree = next((t for t in self.store.tree_rows(step_id) if t["root"] == root_name), None)
+                rows.append(dict(step_id=step_id, root=root_name, path=str(d), before=None, before_mode=None))
+        tree = self._tree_over(step_id, root)
         if tree is not None:  # an earlier command step of this step already recorded the true pre-image
-            before, mode = json.loads(self.blob(tree["manifest"]))["files"].get(rel, (None, None))
+            before, mode = tree.get(rel, (None, None))
         else:
-            before, mode = self.put_file(full) if full.exists() else (None, None)
+            before, mode = self.keep(full) if full.exists() else (None, None)
         known.add((root_name, rel))
-        rows.append(dict(step_id=step_id, root=root_name, root_path=str(root), path=rel, kind="file",
-                         before=before, before_mode=mode))
+        rows.append(dict(step_id=step_id, root=root_name, path=rel, before=before, before_mode=mode))
         return rows
 
+    def _tree_over(self, step_id: int, root: Path) -> dict | None:
+        """The snapshot entries of the step's tree of this folder (under any of its root names), if it has one."""
+        for tree in self.store.tree_rows(step_id):
+            if self.roots.get(tree["root"]) == root:
+                return self.entries(tree)
+        return None
+
+    def entries(self, tree: dict) -> dict[str, list]:
+        return images.manifest_entries(json.loads(self.blob(tree["manifest"], "the snapshot of a whole root")))
+
     def track_tree(self, step_id: int, root_name: str, root: Path) -> None:
-        """Record a whole root before a command or hook that may change any file in it."""
+        """Record a whole root before a command or hook that may change anything in it."""
         self._changing()
         if any(r["root"] == root_name for r in self.store.tree_rows(step_id)):
             return
-        manifest = self._scan(root, store=True)
-        digest = self.put_bytes(json.dumps(manifest, sort_keys=True).encode())
-        self.store.add_tree(step_id, root_name, str(root), digest)
-
-    def _scan(self, root: Path, store: bool) -> dict:
-        files, links, dirs = {}, {}, []
-        for dirpath, dirnames, filenames in os.walk(root):
-            base = Path(dirpath)
-            for d in list(dirnames):
-                p = base / d
-                if p.is_symlink():
-                    links[str(p.relative_to(root))] = os.readlink(p)
-                    dirnames.remove(d)
-                else:
-                    dirs.append(str(p.relative_to(root)))
-            for name in filenames:
-                p = base / name
-                rel = str(p.relative_to(root))
-                if p.is_symlink():
-                    links[rel] = os.readlink(p)
-                elif p.is_file():
-                    files[rel] = list(self.put_file(p)) if store else [sha256_file(p), p.stat().st_mode]
-        return {"files": files, "links": links, "dirs": sorted(dirs)}
+        entries = {rel: list(self.keep(path) if stat.S_ISREG(st.st_mode) else images.read(path, st))
+                   for rel, path, st in images.walk(root)}
+        digest = self.put_bytes(json.dumps({"entries": entries}, sort_keys=True).encode())
+        step = self.store.step(step_id)
+        self.alive()
+        self.intents.add([{"step": step_id, "run": step["run_id"], "plugin": step["plugin"], "root": root_name,
+                           "tree": digest}])
+        self.store.add_tree(step_id, root_name, digest)
 
     def seal(self, step_id: int) -> None:
-        """After apply: fold command changes into per-file rows and record every post-image."""
-        rows = {(r["root"], r["path"]): r for r in self.store.file_rows(step_id)}
+        """After apply: fold what command steps changed into per-path rows and record every post-image. A symlink
+        a command created or changed that leads outside its root is a TouchError (the step fails)."""
+        recorded = {self.path(r) for r in self.store.file_rows(step_id)}
         new_rows = []
         for tree in self.store.tree_rows(step_id):
-            root = Path(tree["root_path"])
-            pre = json.loads(self.blob(tree["manifest"]))
-            now = self._scan(root, store=False)
-            for d in sorted(set(now["dirs"]) - set(pre["dirs"])):
-                if (tree["root"], d) not in rows:
-                    new_rows.append(dict(step_id=step_id, root=tree["root"], root_path=str(root), path=d, kind="dir"))
-            for rel in sorted(set(pre["files"]) | set(now["files"])):
-                if pre["files"].get(rel) != now["files"].get(rel) and (tree["root"], rel) not in rows:
-                    before, mode = pre["files"].get(rel, (None, None))
-                    new_rows.append(dict(step_id=step_id, root=tree["root"], root_path=str(root), path=rel,
-                                         kind="file", before=before, before_mode=mode))
+            root = self.roots[tree["root"]]
+            pre = self.entries(tree)
+            now = {rel: images.read(path, st) for rel, path, st in images.walk(root)}
+            for rel in sorted(set(pre) | set(now)):
+                before, after = tuple(pre.get(rel, (None, None))), now.get(rel, (None, None))
+                if images.same(before, after) or root / rel in recorded:
+                    continue
+                if after[0] is not None and after[0].startswith(LINK) and images.escapes(root, rel):
+                    raise TouchError(f"{rel}: a symlink to {images.link_target(after[0])!r}, which leads outside "
+                                     f"the target root {root}")
+                try:
+                    rel.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise TouchError(f"{rel.encode('utf-8', 'surrogateescape')!r}: a file name that is not UTF-8 "
+                                     "text, which the history cannot record") from None
+                recorded.add(root / rel)
+                new_rows.append(dict(step_id=step_id, root=tree["root"], path=rel, before=before[0],
+                                     before_mode=before[1]))
         with self.store.transaction():
             self.store.add_files(new_rows)
             for r in self.store.file_rows(step_id):
-                if r["kind"] != "file":
-                    continue
-                full = Path(r["root_path"]) / r["path"]
-                after, mode = self.put_file(full) if full.is_file() and not full.is_symlink() else (None, None)
+                after, mode = self.keep(self.path(r))
                 self.store.set_file(r["id"], after=after, after_mode=mode, sealed=1)
 
+    def collect(self) -> tuple[int, int]:
+        """Delete the blobs nothing needs any more; (blobs removed, bytes freed). Needed are the images of kept
+        plugins (to roll them back and to measure without them), those of unfinished steps and of the intent log
+        (to recover), with the snapshots they name. Call only while holding the state lock."""
+        needed: set[str] = set()
+        manifests: set[str] = set()
+        unfinished = [s["id"] for s in self.store.open_steps()]
+        for step_id in [r["step_id"] for r in self.store.deployed().values()] + unfinished:
+            for r in self.store.file_rows(step_id):
+                needed.update(i for i in (r["before"], r["after"]) if images.is_blob(i))
+        for step_id in unfinished:  # a kept step's rows say all it changed; its snapshot is history
+            manifests.update(t["manifest"] for t in self.store.tree_rows(step_id))
+        for record in self.intents.read():
+            needed.update(i for i in (record.get("before"), record.get("after")) if isinstance(i, str) and images.is_blob(i))
+            if isinstance(record.get("tree"), str):
+                manifests.add(record["tree"])
+        for manifest in manifests:
+            needed.add(manifest)
+            if not self.blob_problem(manifest):
+                needed.update(image for image, _ in self.entries({"manifest": manifest}).values() if images.is_blob(image))
+        removed = freed = 0
+        for blob in self.blobs.iterdir():
+            leftover = blob.name.startswith(".") and blob.name.endswith(TMP_SUFFIX)  # of a write that died
+            if blob.name in needed or not (leftover or _is_digest(blob.name)):
+                continue
+            freed += blob.lstat().st_size
+            blob.unlink()
+            removed += 1
+        return removed, freed
+
+    def settle(self) -> None:
+        """With no step open and the write-ahead log copied into the database file, the history is whole where
+        damage to that log cannot reach it: the intent log is emptied."""
+        if not self.store.open_steps() and self.store.checkpoint():
+            self.intents.clear()
+
     # putting images on disk
+    def put(self, items: list[tuple[Path, str | None, int | None]]) -> None:
+        """Make each path hold its (image, mode); blobs are checked before anything is written."""
+        self._apply(items)
+
     def show(self, step_id: int, image: str) -> None:
         """Put the step's pre- or post-images on disk; the step row says which, before any byte moves."""
         self._changing()
         self.store.set_step(step_id, image=image)
-        rows = self.store.file_rows(step_id)
-        files = [r for r in rows if r["kind"] == "file"]
-        dirs = [r for r in rows if r["kind"] == "dir"]
-        if image == "post":
-            for d in dirs:
-                (Path(d["root_path"]) / d["path"]).mkdir(parents=True, exist_ok=True)
-        for r in files:
-            digest, mode = (r["before"], r["before_mode"]) if image == "pre" else (r["after"], r["after_mode"])
-            self._put(Path(r["root_path"]) / r["path"], digest, mode)
-        if image == "pre":
-            for d in sorted(dirs, key=lambda r: -len(Path(r["path"]).parts)):
-                try:
-                    (Path(d["root_path"]) / d["path"]).rmdir()
-                except OSError:
-                    pass
-
-    def _put(self, path: Path, digest: str | None, mode: int | None, compare: bool = False) -> None:
-        """Write one image; `compare` first hashes the file to skip writing what is already there."""
-        tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
-        if tmp.exists():
-            tmp.unlink()
-        if digest is None:
-            if path.is_file() or path.is_symlink():
-                path.unlink()
-            return
-        if compare and path.is_file() and not path.is_symlink() and sha256_file(path) == digest:
-            if mode is not None and stat.S_IMODE(path.stat().st_mode) != stat.S_IMODE(mode):
-                os.chmod(path, stat.S_IMODE(mode))
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_symlink() or path.is_dir():
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-        write_image(path, self.blob(digest), mode)
+        side = ("before", "before_mode") if image == "pre" else ("after", "after_mode")
+        self._apply([(self.path(r), r[side[0]], r[side[1]]) for r in self.store.file_rows(step_id)])
 
     def restore(self, step_id: int, exact: bool = True) -> None:
         """Put back the state before the step; `exact` also makes recorded roots match their snapshot."""
         self._changing()
         if exact:
             for tree in self.store.tree_rows(step_id):
-                self._restore_tree(Path(tree["root_path"]), json.loads(self.blob(tree["manifest"])))
+                root = self.roots[tree["root"]]
+                entries = self.entries(tree)
+                items = [(root / rel, image, mode) for rel, (image, mode) in entries.items()]
+                items += [(path, None, None) for rel, path, _ in images.walk(root) if rel not in entries]
+                self._apply(items, compare=True)
         self.show(step_id, "pre")  # after the trees: a file tracked before a command holds an older pre-image
 
-    def _restore_tree(self, root: Path, pre: dict) -> None:
-        now = self._scan_light(root)
-        for rel in now["files"] | now["links"]:
-            if rel not in pre["files"] and rel not in pre["links"]:
-                (root / rel).unlink()
-        for rel, target in pre["links"].items():
-            p = root / rel
-            if p.is_symlink() and os.readlink(p) == target:
+    def _apply(self, items: list[tuple[Path, str | None, int | None]], compare: bool = False) -> None:
+        """Make each path hold its image: what is in the way goes first (deepest first), then folders, symlinks
+        and files are put in place (shallowest first), then folder modes are set (a read-only folder last).
+        `compare` first hashes a file to skip rewriting one that already holds its image. Every blob to be
+        written is checked first (BlobError, nothing changed)."""
+        held = {path for path, image, _ in items if compare and images.is_blob(image) and path.is_file()
+                and not path.is_symlink() and sha256_file(path) == image}
+        self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image) and path not in held])
+        self.alive()
+        for path, image, _ in sorted(items, key=_depth, reverse=True):
+            try:
+                st = os.lstat(path)
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            if p.is_symlink() or p.is_file():
-                p.unlink()
-            elif p.is_dir():
-                shutil.rmtree(p)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            os.symlink(target, p)
-        for rel, (digest, mode) in pre["files"].items():
-            self._put(root / rel, digest, mode, compare=True)
-        for d in sorted(set(self._scan_light(root)["dirs"]) - set(pre["dirs"]), key=lambda p: -len(Path(p).parts)):
-            shutil.rmtree(root / d, ignore_errors=True)
-        for d in pre["dirs"]:
-            (root / d).mkdir(parents=True, exist_ok=True)
-
-    @staticmethod
-    def _scan_light(root: Path) -> dict:
-        files, links, dirs = set(), set(), []
-        for dirpath, dirnames, filenames in os.walk(root):
-            base = Path(dirpath)
-            for d in list(dirnames):
-                p = base / d
-                if p.is_symlink():
-                    links.add(str(p.relative_to(root)))
-                    dirnames.remove(d)
+            if image is None or _kind_on_disk(st) != _kind(image):
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(path)  # what is left inside is not recorded: a probe's cache, say
                 else:
-                    dirs.append(str(p.relative_to(root)))
-            for name in filenames:
-                p = base / name
-                (links if p.is_symlink() else files).add(str(p.relative_to(root)))
-        return {"files": files, "links": links, "dirs": dirs}
+                    path.unlink()
+        for path, image, mode in sorted(items, key=_depth):
+            if image is not None:
+                self._place(path, image, mode, path in held)
+        for path, image, mode in sorted(items, key=_depth, reverse=True):
+            if image == DIR and mode is not None and stat.S_IMODE(os.lstat(path).st_mode) != stat.S_IMODE(mode):
+                os.chmod(path, stat.S_IMODE(mode))
 
-    @staticmethod
-    def current(row: dict) -> str | None:
-        full = Path(row["root_path"]) / row["path"]
-        return sha256_file(full) if full.is_file() and not full.is_symlink() else None
+    def _place(self, path: Path, image: str, mode: int | None, held: bool) -> None:
+        if image == DIR:
+            path.mkdir(parents=True, exist_ok=True)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if image.startswith(LINK):
+            target = images.link_target(image)
+            if path.is_symlink() and os.readlink(path) == target:
+                return
+            if os.path.lexists(path):
+                path.unlink()
+            os.symlink(target, path)
+            return
+        tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink()
+        if held:
+            if mode is not None and stat.S_IMODE(path.stat().st_mode) != stat.S_IMODE(mode):
+                os.chmod(path, stat.S_IMODE(mode))
+            return
+        write_image(path, self.blob(image), mode)

@@ -69,6 +69,24 @@ def _locked(lock_file: Path, state_dir: Path, refusal: str) -> Iterator[None]:
         lock.release()
 
 
+def held(state_dir: Path) -> bool:
+    """Whether some command holds the state folder's lock now (asked without waiting; from any process that
+    shares the file, whatever its pid namespace). Taking it shared for an instant could refuse a command starting
+    at that very instant, so ask only when a process cannot be found otherwise."""
+    import fcntl
+    try:
+        fd = os.open(state_dir / "orchestrator.lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock taken
+    return False
+
+
 @contextmanager
 def state_lock(state_dir: Path) -> Iterator[None]:
     state_dir.mkdir(parents=True, exist_ok=True)

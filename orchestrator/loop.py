@@ -8,6 +8,8 @@ import gc
 from orchestrator.config import Project
 from orchestrator.context import Reporter, open_run
 from orchestrator.deployment import Deployment
+from orchestrator.errors import UserError
+from orchestrator.failures import describe, is_environment
 from orchestrator.journal import Journal
 from orchestrator.measure import BaselineFailed, EnvironmentFailed, Measurer
 from orchestrator.plugin import Plugin
@@ -20,8 +22,9 @@ from orchestrator.store import Store
 CUT_SHORT = ("environment_failed", "interrupted")  # reasons that decide nothing about the plugin
 
 
-class Interrupted(Exception):
-    """Raised from a signal handler (SIGTERM) so the loop restores the target before exiting."""
+class Interrupted(BaseException):
+    """Raised from a signal handler (SIGTERM) so the loop restores the target before exiting; like
+    KeyboardInterrupt, no handler of errors catches it on the way."""
 
 
 def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal, reporter: Reporter | None = None,
@@ -62,16 +65,36 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
         finally:
             measurer.release()  # however the run ends, its live server is stopped first (recovery only kills)
     except (KeyboardInterrupt, Interrupted):
-        recover(store, journal, "interrupted", "stopped by a signal")
+        recover(store, journal, "interrupted", "stopped by a signal", own=True)
         raise
     except (BaselineFailed, EnvironmentFailed) as e:
         store.finish_run(ctx.run_id, "failed", str(e))
         return ctx.run_id
     except Exception as e:
-        recover(store, journal, "failed", f"internal error: {e!r}")
-        raise
+        if not (is_environment(e) or isinstance(e, UserError)):
+            recover(store, journal, "failed", f"internal error: {e!r}", own=True)
+            raise
+        stopped(store, journal, ctx.run_id, e)  # raises
     store.finish_run(ctx.run_id, "finished")
+    journal.settle()
     return ctx.run_id
+
+
+def stopped(store: Store, journal: Journal, run_id: int, error: Exception) -> None:
+    """The disk or the history failed under the run (a full disk, a damaged database): put back what it can and
+    end the run `failed`, saying why and what to do; if even that fails, the next `recover` does it."""
+    why = describe(error, recovered=True)
+    try:
+        recover(store, journal, "failed", why, own=True)
+        store.finish_run(run_id, "failed", why)
+    except Exception as again:  # noqa: BLE001 - the first failure is the one to report
+        why = (f"{describe(error)}; putting the target back failed too ({describe(again)}): when that is fixed, "
+               "`orchestrator recover` puts back what the run left")
+        try:
+            store.finish_run(run_id, "failed", why)
+        except Exception:  # noqa: BLE001 - status tells a dead run from a running one by its process
+            pass
+    raise UserError(why)
 
 
 def continued(store: Store, run_id: int) -> list[int]:

@@ -152,7 +152,7 @@ class Measurer:
         on_start = self.run.recorder(step_id)
         result = run_process(command, self.run.project.base_dir, env, spec.timeout,
                              on_start=lambda pid, ct: on_start(f"probe {spec.name}", pid, ct),
-                             on_tick=self.run.reporter.tick, tmp_dir=self.run.tmp)
+                             on_tick=self.run.tick, tmp_dir=self.run.tmp)
         out = judge_output(spec.role, spec.objective, result, spec.timeout)
         if not out.ok and self.server.serves(spec):
             if crash := self.server.crashed():

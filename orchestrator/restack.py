@@ -11,6 +11,7 @@ from orchestrator import decide
 from orchestrator.config import Policy
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
+from orchestrator.images import same
 from orchestrator.measure import ArmFailed, Measurer, Verdict, describe, guardrail_vetoes, numbers
 from orchestrator.plugin import Plugin
 from orchestrator.store import label, loads
@@ -34,10 +35,11 @@ class Restack:
         """`images`: (row holding the deployed image, row whose pre-image is compared) per file."""
         step_id = self.store.new_step(self.run.run_id, plugin, "measuring", params=params, kind=kind,
                                       objective=self.measurer.objective)
-        self.store.add_files([dict(step_id=step_id, root=now["root"], root_path=now["root_path"], path=now["path"],
-                                   kind="file", before=now["after"], before_mode=now["after_mode"],
+        self.journal.record(step_id, [dict(step_id=step_id, root=now["root"], path=now["path"],
+                                   before=now["after"], before_mode=now["after_mode"],
                                    after=then["before"], after_mode=then["before_mode"], sealed=1)
-                              for now, then in images if now["after"] != then["before"]])
+                              for now, then in images
+                              if not same((now["after"], now["after_mode"]), (then["before"], then["before_mode"]))])
         return step_id
 
     def compare(self, step_id: int, policy: Policy, name: str, without: set[str]) -> Verdict:
@@ -79,8 +81,8 @@ class Restack:
         last: dict[tuple[str, str], dict] = {}
         for sid in kept:
             for f in self.deployment.files(sid):
-                first.setdefault((f["root_path"], f["path"]), f)
-                last[(f["root_path"], f["path"])] = f
+                first.setdefault(self.journal.path(f), f)
+                last[self.journal.path(f)] = f
         step_id, verdict = self.measure_switch(FINAL, "final", [(last[k], first[k]) for k in last],
                                                "re-validating the kept stack",
                                                {self.store.step(sid)["plugin"] for sid in kept})

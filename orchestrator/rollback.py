@@ -7,6 +7,7 @@ from orchestrator.config import Project
 from orchestrator.context import open_run
 from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
+from orchestrator.images import is_blob, same
 from orchestrator.journal import Journal
 from orchestrator.plugin import Plugin
 from orchestrator.store import Store, loads
@@ -16,14 +17,26 @@ class Refused(UserError):
     """Rolling back would overwrite someone else's later change."""
 
 
-def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: bool) -> list[dict]:
-    """The deployed rows to undo, newest first; checks every file before anything is touched."""
+def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: bool,
+                  plugins: dict[str, Plugin] | None = None) -> list[dict]:
+    """The deployed rows to undo, newest first; checks every file before anything is touched. A kept plugin
+    that `requires` one being rolled back must be rolled back with it."""
     deployed = store.deployed()
     if ids is not None:
         unknown = sorted(ids - set(deployed))
         if unknown:
             raise Refused(f"not kept in this deployment: {', '.join(unknown)} (kept: {', '.join(deployed) or 'none'})")
+        needing = {pid: sorted(set(plugins[pid].manifest.requires) & ids) for pid in deployed
+                   if pid not in ids and pid in (plugins or {})}
+        left = {pid: needs for pid, needs in needing.items() if needs}
+        if left:
+            names = " ".join(sorted(ids | set(left)))
+            raise Refused("kept plugins require what would be rolled back: " + "; ".join(
+                f"{pid} requires {', '.join(needs)}" for pid, needs in sorted(left.items())) +
+                f". Roll them back together (`orchestrator rollback {names}`) or use --all")
     todo = [row for pid, row in reversed(list(deployed.items())) if ids is None or pid in ids]
+    journal.check_blobs([(f["before"], journal.path(f)) for row in todo for f in store.file_rows(row["step_id"])
+                         if is_blob(f["before"])])  # a damaged pre-image is refused before anything is written
     if not force:
         problems = conflicts(store, journal, todo)
         if problems:
@@ -32,19 +45,18 @@ def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: b
 
 
 def conflicts(store: Store, journal: Journal, todo: list[dict]) -> list[str]:
-    """Files that will not hold a plugin's post-image when its turn comes (earlier undos in `todo` counted)."""
-    expected: dict[tuple[str, str], str | None] = {}
+    """Paths that will not hold a plugin's post-image (mode included) when its turn comes (earlier undos in
+    `todo` counted)."""
+    expected: dict[Path, tuple] = {}
     problems = []
     for row in todo:
         changed = []
         for f in store.file_rows(row["step_id"]):
-            if f["kind"] != "file":
-                continue
-            key = (f["root_path"], f["path"])
+            key = journal.path(f)
             now = expected[key] if key in expected else journal.current(f)
-            if now != f["after"]:
+            if not same(now, (f["after"], f["after_mode"])):
                 changed.append(f["path"])
-            expected[key] = f["before"]
+            expected[key] = (f["before"], f["before_mode"])
         if changed:
             problems.append(f"{row['plugin']}: {', '.join(changed)}")
     return problems
@@ -58,8 +70,7 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
         kept_step = row["step_id"]
         params = loads(row["params"])
         step_id = store.new_step(run.run_id, row["plugin"], "rolling_back", params=params, kind="rollback")
-        for f in deployment.files(kept_step):
-            journal.track(step_id, f["root"], Path(f["root_path"]), f["path"])
+        journal.track_images(step_id, [(f["root"], f["path"]) for f in deployment.files(kept_step)])
         journal.show(kept_step, "pre")
         plugin = plugins.get(row["plugin"])
         if plugin:
@@ -69,4 +80,5 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
         deployment.remove(row["plugin"], step_id, "requested",
                           f"undid step {kept_step} (run {store.step(kept_step)['run_id']})")
     store.finish_run(run.run_id, "finished")
+    journal.settle()
     return todo

@@ -2,18 +2,28 @@
 probes, measurement and the decision; the best candidate is kept, every other attempt rolled back byte for byte."""
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 
 from orchestrator import decide
 from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
+from orchestrator.errors import UserError
+from orchestrator.failures import is_environment
+from orchestrator.images import TouchError
 from orchestrator.measure import (ArmFailed, EnvironmentFailed, Measurer, Verdict, describe, failure, guardrail_vetoes,
                                   numbers)
 from orchestrator.plugin import Plugin, Variant
 from orchestrator.probes.runner import ProbeResult
 from orchestrator.steps import StepFailed, apply_all, check
 from orchestrator.store import dumps
+
+
+def plugins_own(error: Exception) -> bool:
+    """Whether an unforeseen error is the staged plugin's alone: not the machine's (a full disk, the database)
+    nor the state folder's (UserError: a damaged blob), which stop the run instead."""
+    return not (isinstance(error, (EnvironmentFailed, UserError)) or is_environment(error))
 
 
 @dataclass
@@ -43,12 +53,22 @@ class Stager:
 
     def stage(self, plugin: Plugin) -> None:
         """Skip it, find it already applied, or attempt every params combination and keep the best candidate."""
-        if not self.ready(plugin):
-            return
+        try:
+            if not self.ready(plugin):
+                return
+        except Exception as e:
+            if not plugins_own(e):
+                raise
+            return self.unexpected(plugin, None, e)
         candidates: list[Candidate] = []
         try:
             for variant in plugin.variants:
-                candidate = self.attempt(plugin, variant)
+                try:
+                    candidate = self.attempt(plugin, variant)
+                except Exception as e:
+                    if not plugins_own(e):
+                        raise
+                    candidate = self.unexpected(plugin, variant, e)
                 if candidate is not None:
                     candidates.append(candidate)
         except EnvironmentFailed:
@@ -66,6 +86,24 @@ class Stager:
                 d = c.verdict.decision
                 self.reporter.outcome(plugin.id, "rolled_back", "outperformed", d.gain if d else None)
         self.keep(plugin, best)
+
+    def unexpected(self, plugin: Plugin, variant: Variant | None, error: Exception) -> None:
+        """An error nothing foresaw (a bug, an odd file) fails this plugin only: its open step is rolled back with
+        the reason of the phase it was in and a one-line description; the traceback goes to the events."""
+        step = next((s for s in self.store.open_steps() if s["run_id"] == self.run.run_id
+                     and s["plugin"] == plugin.id and s["state"] != "candidate"), None)
+        what = " ".join(f"{type(error).__name__}: {error}".split())[:500]
+        if step is None or variant is None:
+            step_id = step["id"] if step else self.store.new_step(self.run.run_id, plugin.id, "applying")
+            self.store.event(self.run.run_id, "error", f"{plugin.id}: {traceback.format_exc()}", step_id)
+            if step is not None:
+                self.journal.restore(step_id, exact=True)
+            self.store.finish_step(step_id, "rolled_back", "apply_failed", f"unexpected error: {what}")
+            self.reporter.outcome(plugin.id, "rolled_back", "apply_failed", None)
+            return None
+        self.store.event(self.run.run_id, "error", f"{plugin.id}: {traceback.format_exc()}", step["id"])
+        reason = {"applying": "apply_failed", "verifying": "verify_failed"}.get(step["state"], "probe_failed")
+        return self.roll_back(plugin, variant, step["id"], reason, f"unexpected error while {step['state']}: {what}")
 
     def ready(self, plugin: Plugin) -> bool:
         """Whether to attempt the plugin; when not, its skip or `already_applied` step is recorded."""
@@ -134,9 +172,9 @@ class Stager:
         self.reporter.phase(name, "apply")
         try:
             apply_all([s for s in variant.apply if s.runs_on(kind)], ctx)
-        except StepFailed as e:
+            self.journal.seal(step_id)
+        except (StepFailed, TouchError) as e:
             return self.roll_back(plugin, variant, step_id, "apply_failed", str(e))
-        self.journal.seal(step_id)
         self.store.set_step(step_id, state="verifying")
         self.reporter.phase(name, "verify")
         for chk in variant.verify:

@@ -25,10 +25,35 @@ def _stale(store: Reader, step: dict, current: dict[str, Any]) -> dict[str, Any]
     return {"stale": True, "stale_because": describe(recorded, current)}
 
 
+def alive(store: Reader, run: dict) -> bool:
+    """Whether a run recorded as running still is: its process exists and is older than the run (not a reused
+    pid); a process this machine cannot see (another pid namespace) counts while the state lock is held."""
+    import psutil
+    try:
+        proc = psutil.Process(run["pid"])
+        return proc.create_time() <= (run["started"] or 0) + 1 and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, TypeError, ValueError):
+        pass
+    except psutil.Error:
+        return True
+    from orchestrator.lock import held
+    return held(store.path.parent)
+
+
+def shown(store: Reader, run: dict) -> dict:
+    """The run as it is: a run recorded as running whose process is gone is shown interrupted, and why."""
+    if run["status"] != "running" or alive(store, run):
+        return run
+    return {**run, "status": "interrupted",
+            "detail": f"its process (pid {run['pid']}) is gone and nothing has recovered it yet: the next "
+                      "`orchestrator recover`, `run` or `rollback` puts back what it left"}
+
+
 def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | None:
     run = store.run(run_id) if run_id is not None else store.run(command="run") or store.run(command=None)
     if run is None:
         return None
+    run = shown(store, run)
     steps = store.steps(run["id"])
     decisions = store.decisions_for(s["id"] for s in steps)
     current = environment() if any(s["outcome"] == "kept" for s in steps) else {}
@@ -132,7 +157,7 @@ def runs_table(store: Reader) -> Table:
     table = Table(title="runs")
     for col in ("id", "command", "status", "kept", "rolled back", "skipped", "detail"):
         table.add_column(col)
-    for r in store.runs():
+    for r in (shown(store, r) for r in store.runs()):
         table.add_row(str(r["id"]), r["command"], r["status"], str(r["kept"] or 0), str(r["rolled_back"] or 0),
                       str(r["skipped"] or 0), escape(r["detail"] or ""))
     return table

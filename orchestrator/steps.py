@@ -62,6 +62,14 @@ def _path(ctx: StepContext, action, rel: str) -> tuple[str, Path, Path]:
         raise StepFailed(e.message) from None
 
 
+def _text(data: bytes, rel: str, kind: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StepFailed(f"{kind}: {rel} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         "it edits text files only") from None
+
+
 def compute(step: Step, ctx: StepContext, read: Reader) -> tuple[str, Path, Path, bytes]:
     """(root name, root, file, new bytes) of a declarative step, without writing anything."""
     body = step.body
@@ -70,7 +78,7 @@ def compute(step: Step, ctx: StepContext, read: Reader) -> tuple[str, Path, Path
         data = read(full)
         if data is None:
             raise StepFailed(f"replace: {body.path} does not exist")
-        text = data.decode("utf-8")
+        text = _text(data, body.path, "replace")
         found = text.count(body.old)
         if found != body.count:
             raise StepFailed(f"replace: expected {body.count} match(es) of {body.old!r} in {body.path}, found {found}")
@@ -87,7 +95,8 @@ def compute(step: Step, ctx: StepContext, read: Reader) -> tuple[str, Path, Path
     if step.kind == "yaml_set":
         name, root, full = _path(ctx, step, body.path)
         data = read(full)
-        return name, root, full, yaml_set(data.decode("utf-8") if data is not None else "", body.key, body.value, body.path)
+        return name, root, full, yaml_set(_text(data, body.path, "yaml_set") if data is not None else "", body.key,
+                                          body.value, body.path)
     raise ValueError(f"{step.kind} is not declarative")
 
 
@@ -154,7 +163,7 @@ def apply_step(step: Step, ctx: StepContext) -> None:
     """Run one apply step, recording pre-images in the journal before anything is touched."""
     if step.kind in PROCESS_KINDS:
         name, root = ctx.root_of(step)
-        ctx.journal.track_tree(ctx.step_id, name, root)
+        ctx.journal.track_tree(ctx.step_id, name, root)  # also a sign of life just before the process starts
         result = _process(ctx, step, "apply")
         if result.timed_out or result.returncode != 0:
             raise StepFailed(f"{step.kind}: {_describe(result, step.body.timeout)}", result)

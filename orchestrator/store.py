@@ -28,12 +28,12 @@ CREATE INDEX IF NOT EXISTS steps_run ON steps(run_id, seq);
 CREATE INDEX IF NOT EXISTS steps_open ON steps(state);
 CREATE TABLE IF NOT EXISTS files (
   id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
-  root_path TEXT NOT NULL, path TEXT NOT NULL, kind TEXT NOT NULL DEFAULT 'file',
-  before TEXT, before_mode INTEGER, after TEXT, after_mode INTEGER, sealed INTEGER DEFAULT 0,
+  path TEXT NOT NULL, before TEXT, before_mode INTEGER, after TEXT, after_mode INTEGER, sealed INTEGER DEFAULT 0,
   UNIQUE(step_id, root, path));
 CREATE TABLE IF NOT EXISTS trees (
   id INTEGER PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), root TEXT NOT NULL,
-  root_path TEXT NOT NULL, manifest TEXT NOT NULL, UNIQUE(step_id, root));
+  manifest TEXT NOT NULL, UNIQUE(step_id, root));
+CREATE TABLE IF NOT EXISTS roots (name TEXT PRIMARY KEY, location TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS deployed (
   plugin TEXT PRIMARY KEY, step_id INTEGER NOT NULL REFERENCES steps(id), kept_at REAL, params TEXT);
 CREATE TABLE IF NOT EXISTS measurements (
@@ -76,25 +76,81 @@ _V0_KIND = """CASE
 _V0_PLUGIN = "CASE WHEN plugin LIKE '(without %)' THEN substr(plugin, 10, length(plugin) - 10) ELSE plugin END"
 
 
-def _v1_step_kinds(conn: sqlite3.Connection) -> None:
+def _v1_step_kinds(conn: sqlite3.Connection, state_dir: Path) -> None:
     conn.execute("ALTER TABLE steps ADD COLUMN kind TEXT NOT NULL DEFAULT 'attempt'")
     conn.execute(f"UPDATE steps SET kind = {_V0_KIND}")
     conn.execute(f"UPDATE steps SET plugin = {_V0_PLUGIN} WHERE kind = 'attribution'")
 
 
-def _v2_control(conn: sqlite3.Connection) -> None:
+def _v2_control(conn: sqlite3.Connection, state_dir: Path) -> None:
     conn.execute("ALTER TABLE steps ADD COLUMN control TEXT")
 
 
-MIGRATIONS = [_v1_step_kinds, _v2_control]  # MIGRATIONS[v] takes a database from schema version v to v + 1
+def _v3_relative_roots(conn: sqlite3.Connection, state_dir: Path) -> None:
+    """Files and trees named their root by its absolute path, so a copied project acted on the original's target:
+    the roots' locations move to their own table, relative to the state folder where they lie beside it."""
+    conn.execute("CREATE TABLE roots (name TEXT PRIMARY KEY, location TEXT NOT NULL)")
+    latest: dict[str, str] = {}
+    for name, path in conn.execute("SELECT root, root_path FROM (SELECT step_id, root, root_path FROM files UNION "
+                                   "ALL SELECT step_id, root, root_path FROM trees) ORDER BY step_id"):
+        latest[name] = path
+    conn.executemany("INSERT INTO roots (name, location) VALUES (?, ?)",
+                     [(name, location(Path(path), state_dir)) for name, path in latest.items()])
+    for table in ("files", "trees"):
+        conn.execute(f"ALTER TABLE {table} DROP COLUMN root_path")
+
+
+def _v4_path_images(conn: sqlite3.Connection, state_dir: Path) -> None:
+    """Rows held files, or (kind 'dir') folders a step created; now every row holds images (images.py), so a
+    created folder is a row whose post-image is "dir"."""
+    conn.execute("UPDATE files SET after = 'dir', sealed = 1 WHERE kind = 'dir'")
+    conn.execute("ALTER TABLE files DROP COLUMN kind")
+
+
+MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots, _v4_path_images]  # version v to v + 1
 VERSION = len(MIGRATIONS)
 # Step columns added since version 0, as a reader shows them in an older database.
 _ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
 
 
+def location(root: Path, state_dir: Path) -> str:
+    """How the history names a root: relative to the state folder when both lie in the folder holding the state
+    folder (a project copied or moved as a whole keeps its meaning), else absolute."""
+    root, state_dir = Path(os.path.abspath(root)), Path(os.path.abspath(state_dir))
+    if root.is_relative_to(state_dir.parent):
+        return os.path.relpath(root, state_dir)
+    return str(root)
+
+
+def located(text: str, state_dir: Path) -> Path:
+    """The folder a `location` names, seen from this state folder."""
+    path = Path(text)
+    return path if path.is_absolute() else Path(os.path.normpath(Path(os.path.abspath(state_dir)) / path))
+
+
 def label(step: dict) -> str:
     """A step's name for people and for its probes (ORCHESTRATOR_PLUGIN): the plugin, "(final)", "(without ID)"."""
     return f"(without {step['plugin']})" if step["kind"] == "attribution" else step["plugin"]
+
+
+MAX_TEXT = 4000  # characters of a detail, reason or message stored: a probe or a file may say far more
+
+
+def bounded(text: str | None, limit: int = MAX_TEXT) -> str | None:
+    """The text, or its head and tail with how much was cut between them."""
+    if text is None or len(text) <= limit:
+        return text
+    keep = (limit - 40) // 2
+    return f"{text[:keep]} [... {len(text) - 2 * keep} characters cut ...] {text[-keep:]}"
+
+
+def bounded_metrics(metrics: Any, limit: int = 4 * MAX_TEXT) -> str | None:
+    """A probe's result as JSON; one too long for the history keeps its numbers and says what it cut."""
+    text = dumps(metrics)
+    if text is None or len(text) <= limit or not isinstance(metrics, dict):
+        return bounded(text, limit)
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return bounded(dumps({**numbers, "cut": f"{len(text)} characters of JSON; only its numbers are kept"}), limit)
 
 
 def dumps(value: Any) -> str | None:
@@ -105,16 +161,71 @@ def loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+OPENED: list[Path] = []  # databases this process opened, newest last: an error of SQLite's names the file
+
+
+class DamagedHistory(UserError):
+    """The history database cannot be read or written."""
+
+
+def problem(path: Path, e: sqlite3.DatabaseError) -> DamagedHistory:
+    """A message for an SQLite failure that names the file and says what to do."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    if name == "SQLITE_FULL" or "disk is full" in str(e):
+        return DamagedHistory(f"{path}: {e}: no space left on its device. Free some space, then run the command "
+                              "again (the next `orchestrator recover`, `run` or `rollback` puts back what a stopped "
+                              "run left)")
+    if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_IOERR", "SQLITE_BUSY")):
+        return DamagedHistory(f"{path}: {e} ({name}): check that the file and its folder can be read and written")
+    return DamagedHistory(f"{path}: the history database is damaged ({e}); nothing was changed. Put it back from a "
+                          f"backup; or, to start a new history, move the state folder {path.parent} aside (the target "
+                          "stays as it is now, and what was kept can no longer be rolled back by the orchestrator)")
+
+
+def has_history(path: Path) -> bool:
+    """A database with something in it: in its file, or still only in its write-ahead log (a new database's first
+    transactions stay there until a checkpoint). SQLite reads a zero-length file as an empty database."""
+    for file in (Path(path), Path(f"{path}-wal")):
+        try:
+            if file.stat().st_size > 0:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
 class Reader:
     """The history, read only: `status` and `report` use it while a run may be writing (WAL readers never block).
     Plain sqlite3, so reading imports none of the write machinery."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.conn = self._connect()
-        self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA busy_timeout=10000")
-        self._as_current()
+        OPENED.append(self.path)
+        self._lost_history()
+        try:
+            self.conn = self._connect()
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA busy_timeout=10000")
+            self.conn.execute("PRAGMA schema_version").fetchone()  # reads the header: "file is not a database"
+            self._check()
+            self._as_current()
+        except sqlite3.DatabaseError as e:
+            raise problem(self.path, e) from None
+
+    def _lost_history(self) -> None:
+        """A zero-length database beside recorded pre-images: the history was lost, not never written."""
+        if self.path.exists() and not has_history(self.path):
+            blobs = self.path.parent / "blobs"
+            count = sum(1 for p in blobs.iterdir() if not p.name.startswith(".")) if blobs.is_dir() else 0
+            if count:
+                raise DamagedHistory(f"{self.path} is empty (0 bytes) although {blobs} holds {count} recorded "
+                                     "image(s): the history was lost. Put the database back from a backup; or, to "
+                                     f"start a new history, move the state folder {self.path.parent} aside (the "
+                                     "target stays as it is now, and what was kept can no longer be rolled back by "
+                                     "the orchestrator)")
+
+    def _check(self) -> None:
+        """A reader trusts SQLite to report damage in what it reads; a writer checks the whole file first."""
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
@@ -131,6 +242,10 @@ class Reader:
 
     def close(self) -> None:
         self.conn.close()
+
+    def empty(self) -> bool:
+        """No table yet: a command was stopped while it created the database."""
+        return not self.query("SELECT 1 FROM sqlite_master WHERE name = 'runs'")
 
     def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict]:
         return [dict(r) for r in self.conn.execute(sql, list(params))]
@@ -162,6 +277,10 @@ class Reader:
     def step(self, step_id: int) -> dict:
         return self.query("SELECT * FROM steps WHERE id = ?", [step_id])[0]
 
+    def step_or_none(self, step_id: int) -> dict | None:
+        rows = self.query("SELECT * FROM steps WHERE id = ?", [step_id])
+        return rows[0] if rows else None
+
     def steps(self, run_id: int) -> list[dict]:
         return self.query("SELECT * FROM steps WHERE run_id = ? ORDER BY seq", [run_id])
 
@@ -174,6 +293,23 @@ class Reader:
 
     def tree_rows(self, step_id: int) -> list[dict]:
         return self.query("SELECT * FROM trees WHERE step_id = ? ORDER BY id", [step_id])
+
+    def roots(self) -> dict[str, str]:
+        """{root name: location} of the roots the history's files lie in (see `location`); for a database older
+        than schema version 3, as its migration will record them."""
+        if self.query("SELECT 1 FROM sqlite_master WHERE name = 'roots'"):
+            return {r["name"]: r["location"] for r in self.query("SELECT * FROM roots ORDER BY name")}
+        latest = {r["root"]: r["root_path"] for r in self.query(
+            "SELECT step_id, root, root_path FROM files UNION ALL SELECT step_id, root, root_path FROM trees "
+            "ORDER BY step_id")}
+        return {name: location(Path(path), self.path.parent) for name, path in latest.items()}
+
+    def roots_in_use(self) -> set[str]:
+        """Names of the roots whose files a kept plugin or an unfinished step recorded: where they are matters."""
+        return {r["root"] for r in self.query(
+            "SELECT root FROM files WHERE step_id IN (SELECT step_id FROM deployed) OR step_id IN "
+            "(SELECT id FROM steps WHERE state != 'done') UNION SELECT root FROM trees WHERE step_id IN "
+            "(SELECT id FROM steps WHERE state != 'done')")}
 
     # deployment
     def deployed(self) -> dict[str, dict]:
@@ -212,13 +348,23 @@ class Store(Reader):
         import sqlite_utils
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         super().__init__(path)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self._db = sqlite_utils.Database(self.conn, execute_plugins=False)
-        self._migrate()
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self._db = sqlite_utils.Database(self.conn, execute_plugins=False)
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise problem(self.path, e) from None
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(str(self.path))
+
+    def _check(self) -> None:
+        found = [r[0] for r in self.conn.execute("PRAGMA quick_check(3)")]
+        if found != ["ok"]:
+            raise DamagedHistory(f"{self.path}: the history database is damaged (integrity check: "
+                                 f"{'; '.join(found)}); nothing was changed. Put it back from a backup; or, to start "
+                                 f"a new history, move the state folder {self.path.parent} aside")
 
     def _as_current(self) -> None:
         """A writer migrates instead (`_migrate`)."""
@@ -234,11 +380,16 @@ class Store(Reader):
             return
         with self.transaction():
             for migration in MIGRATIONS[version:]:
-                migration(self.conn)
+                migration(self.conn, self.path.parent)
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self.conn.execute(statement)
             self.conn.execute(f"PRAGMA user_version = {VERSION}")
+
+    def checkpoint(self) -> bool:
+        """Copy the write-ahead log into the database file and empty it; False when a reader held part of it back."""
+        busy, _, _ = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        return busy == 0
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -252,6 +403,8 @@ class Store(Reader):
                                             target_kind=target_kind, started=time.time())).last_pk
 
     def update_run(self, run_id: int, **fields: Any) -> None:
+        if "detail" in fields:
+            fields["detail"] = bounded(fields["detail"])
         self._db["runs"].update(run_id, fields)
 
     def finish_run(self, run_id: int, status: str, detail: str | None = None) -> None:
@@ -266,6 +419,9 @@ class Store(Reader):
                                              state=state, kind=kind, started=time.time(), **fields)).last_pk
 
     def set_step(self, step_id: int, **fields: Any) -> None:
+        for key in ("reason", "detail", "control"):
+            if key in fields:
+                fields[key] = bounded(fields[key])
         self._db["steps"].update(step_id, fields)
 
     def finish_step(self, step_id: int, outcome: str, reason: str | None, detail: str | None = None,
@@ -277,15 +433,20 @@ class Store(Reader):
 
     # files and trees
     def add_files(self, rows: list[dict]) -> None:
-        """File rows: pre-images recorded before a step touches anything, or (switch steps) images already stored."""
+        """Path rows: pre-images recorded before a step touches anything, or (switch steps) images already stored."""
         if rows:
             self._db["files"].insert_all(rows)
 
     def set_file(self, file_id: int, **fields: Any) -> None:
         self._db["files"].update(file_id, fields)
 
-    def add_tree(self, step_id: int, root: str, root_path: str, manifest: str) -> None:
-        self._db["trees"].insert(dict(step_id=step_id, root=root, root_path=root_path, manifest=manifest))
+    def add_tree(self, step_id: int, root: str, manifest: str) -> None:
+        self._db["trees"].insert(dict(step_id=step_id, root=root, manifest=manifest))
+
+    def set_roots(self, roots: dict[str, str]) -> None:
+        """Where the roots are now ({name: location}); names not given keep theirs."""
+        with self.transaction():
+            self.conn.executemany("INSERT OR REPLACE INTO roots (name, location) VALUES (?, ?)", list(roots.items()))
 
     def swap_images(self, step_id: int) -> None:
         """Exchange each file row's before and after images."""
@@ -305,7 +466,8 @@ class Store(Reader):
 
     # measurements, decisions, events, processes
     def add_measurement(self, **row: Any) -> None:
-        row["metrics"] = dumps(row.get("metrics"))
+        row["metrics"] = bounded_metrics(row.get("metrics"))
+        row["reason"] = bounded(row.get("reason"))
         row["fingerprint"] = dumps(row.get("fingerprint"))
         self._db["measurements"].insert(dict(at=time.time(), **row))
 
@@ -318,7 +480,8 @@ class Store(Reader):
                                           at=time.time()))
 
     def event(self, run_id: int | None, kind: str, message: str, step_id: int | None = None) -> None:
-        self._db["events"].insert(dict(run_id=run_id, step_id=step_id, at=time.time(), kind=kind, message=message))
+        self._db["events"].insert(dict(run_id=run_id, step_id=step_id, at=time.time(), kind=kind,
+                                       message=bounded(message)))
 
     def add_process(self, run_id: int | None, step_id: int | None, what: str, pid: int, pgid: int,
                     create_time: float) -> int:

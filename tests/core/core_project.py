@@ -1,9 +1,11 @@
 """A throw-away project (files target, test probes, chosen test plugins) and ways to run the real CLI on it."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,82 @@ def tree(root: Path) -> dict[str, bytes]:
     for p in sorted(root.rglob("*")):
         out[str(p.relative_to(root))] = p.read_bytes() if p.is_file() else None
     return out
+
+
+def images(root: Path) -> dict[str, tuple]:
+    """Everything under root as it is: files (bytes, mode), symlinks (target text), folders (mode)."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", st.st_mode & 0o7777)
+            else:
+                out[rel] = ("file", p.read_bytes(), st.st_mode & 0o7777)
+    return out
+
+
+def state_images(root: Path) -> dict[str, tuple]:
+    """{relative path: (image, permission bits)} of everything under root, images as the history writes them:
+    a file's sha256, "symlink:" and the target text, "dir"."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("symlink:" + os.readlink(p), None)
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", st.st_mode & 0o7777)
+            else:
+                out[rel] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_mode & 0o7777)
+    return out
+
+
+def expected_images(original: dict[str, tuple], db_path: Path) -> dict[str, tuple]:
+    """What a files target holds when exactly the plugins the history calls kept are applied, in their order,
+    to `original` (state_images of the untouched target). A mode the history did not record is None."""
+    import sqlite3
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    columns = [r[1] for r in conn.execute("PRAGMA table_info(files)")]
+    kind = "f.kind" if "kind" in columns else "NULL"
+    out = dict(original)
+    for path, after, mode, what in conn.execute(
+            f"SELECT f.path, f.after, f.after_mode, {kind} FROM deployed d JOIN files f ON f.step_id = d.step_id "
+            "ORDER BY d.kept_at, d.step_id, f.id"):
+        if what == "dir":
+            out[path] = ("dir", None)
+        elif after is None:
+            out.pop(path, None)
+        else:
+            out[path] = (after, None if mode is None else mode & 0o7777)
+    conn.close()
+    return out
+
+
+def assert_consistent(root: Path, expected: dict[str, tuple]) -> None:
+    """The target holds exactly `expected` (a mode of None matches any)."""
+    now = state_images(root)
+    assert set(now) == set(expected), (sorted(set(now) - set(expected)), sorted(set(expected) - set(now)))
+    for rel, (image, mode) in expected.items():
+        assert now[rel][0] == image and (mode is None or now[rel][1] == mode), (rel, now[rel], (image, mode))
+
+
+def set_probes(project: "Project", probes: list[dict]) -> None:
+    config = yaml.safe_load(project.config.read_text())
+    config["probes"] = probes
+    project.config.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def add_plugin(project: "Project", manifest: dict) -> None:
+    folder = project.path / "plugins" / manifest["id"]
+    folder.mkdir(parents=True)
+    (folder / "plugin.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
 
 
 class Project:

@@ -10,6 +10,7 @@ import sqlite3
 import pytest
 
 from core_project import FIXTURES, Project, tree
+from orchestrator.store import VERSION
 
 LEGACY = FIXTURES / "legacy" / "legacy-v0"
 DEPLOYED = {"a.txt": b"A = 2\n", "b.txt": b"B = 3\n", "d.txt": b"D\n"}
@@ -60,7 +61,7 @@ def test_the_first_writer_migrates_and_rollback_undoes_every_byte(legacy):
     assert all(f"rolled_back {p}" in out for p in "abd")
     assert tree(legacy.target) == ORIGINAL
     assert (legacy.path / "d-undone.txt").read_text() == "undone\n"  # d's own rollback step ran
-    assert schema_version(legacy) == 2
+    assert schema_version(legacy) == VERSION
     kinds = [(r["run_id"], r["plugin"], r["kind"]) for r in legacy.db().execute(
         "SELECT run_id, plugin, kind FROM steps ORDER BY id")]
     assert kinds == [(1, "a", "attempt"), (1, "b", "attempt"), (1, "c", "attempt"), (1, "d", "attempt"),

@@ -20,7 +20,7 @@ def stage(project, reporter=None):
     proj = load(project.config)
     plugins = load_all(proj.plugins_dir, proj.target.roots, proj.target.vars)
     store = Store(proj.db_path)
-    run_id = run(proj, plugins, store, Journal(store, proj.state_dir / "blobs"), reporter)
+    run_id = run(proj, plugins, store, Journal(store, proj.state_dir, proj.target.roots), reporter)
     return store, run_id
 
 

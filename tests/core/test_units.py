@@ -69,7 +69,7 @@ def test_command_step_tree_snapshot_restores_everything(tmp_path):
     (root / "link").symlink_to("d/f.txt")
     before = tree(root)
     store = Store(tmp_path / "state" / "db.sqlite")
-    journal = Journal(store, tmp_path / "state" / "blobs")
+    journal = Journal(store, tmp_path / "state", {"target": root})
     run_id = store.start_run("run", None, "files")
     step_id = store.new_step(run_id, "p", "applying")
     ctx = StepContext({"target": root}, "files", tmp_path, dict(os.environ), journal, step_id)

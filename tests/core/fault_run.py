@@ -1,0 +1,52 @@
+"""Runs the orchestrator's CLI with a fault injected: `python fault_run.py WHERE N CLI-ARGS...` makes the N-th
+blob written (`blob`), target file written (`target`) or measurement stored (`db`) fail as on a full disk."""
+import errno
+import os
+import sqlite3
+import sys
+
+
+def main() -> None:
+    where, n, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    from orchestrator import journal, steps, store
+    calls = [0]
+
+    def hit() -> bool:
+        calls[0] += 1
+        return calls[0] == n
+
+    if where == "blob":
+        put_file = journal.Journal.put_file
+
+        def full_blob(self, path):
+            if hit():
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.blobs / ".incoming.orch-tmp"))
+            return put_file(self, path)
+        journal.Journal.put_file = full_blob
+    elif where == "target":
+        write_image = journal.write_image
+
+        def full_target(path, data, mode=None):
+            if hit():
+                with open(path, "r+b" if os.path.exists(path) else "wb") as f:  # half the bytes, then no space
+                    f.write(data[:len(data) // 2])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return write_image(path, data, mode)
+        journal.write_image = steps.write_image = full_target
+    elif where == "db":
+        add_measurement = store.Store.add_measurement
+
+        def full_db(self, **row):
+            if hit():
+                e = sqlite3.OperationalError("database or disk is full")
+                e.sqlite_errorcode, e.sqlite_errorname = 13, "SQLITE_FULL"
+                raise e
+            return add_measurement(self, **row)
+        store.Store.add_measurement = full_db
+    from orchestrator.cli import app
+    sys.argv = ["orchestrator", *args]
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Kill a real `orchestrator run` (and `rollback --all`) with SIGKILL at random instants, seeded. After
+`recover` the target must equal the original with exactly the plugins the history calls kept applied, in order
+(bytes, modes, symlinks, folders), and `rollback --all` must give back the original, every time.
+
+CHAOS_TRIALS and CHAOS_SEED change the number of trials and the seed."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from core_project import add_plugin, assert_consistent, expected_images, make_project, set_probes, state_images
+
+SEED = int(os.environ.get("CHAOS_SEED", "12"))
+TRIALS = int(os.environ.get("CHAOS_TRIALS", "20"))
+ROLLBACK_TRIALS = max(4, TRIALS // 4)
+
+# Quick probes: one shell each. The score is 100 x SPEED (app.txt) x the level behind the symlink `current`.
+IN_ROOT = 'cd "$ORCHESTRATOR_TARGET_ROOT" && '
+CORRECT = ["sh", "-c", IN_ROOT + 'if grep -q BROKEN app.txt; then echo \'{"passed": false}\'; '
+                                 'else echo \'{"passed": true}\'; fi']
+SPEED = ["sh", "-c", IN_ROOT + 's=$(sed -n "s/^SPEED = //p" app.txt); l=$(cat current/level); '
+                               'echo "{\\"score\\": $((s * l * 100))}"']
+PLUGINS = [
+    {"id": "faster", "order": 10, "apply": [{"replace": {"path": "app.txt", "old": "SPEED = 1", "new": "SPEED = 2"}}]},
+    {"id": "switch", "order": 20, "description": "flips a symlink, makes and removes folders, changes a mode",
+     "apply": [{"command": {"run": ["sh", "-c", "ln -sfn v2 current && mkdir -p cache/a && echo x > cache/a/f "
+                                                "&& chmod 700 run.sh && rmdir spool"]}}]},
+    {"id": "tune", "order": 30, "params": {"s": [1, 3]},
+     "apply": [{"replace": {"path": "app.txt", "old": "SPEED = 2", "new": "SPEED = ${s}"}},
+               {"yaml_set": {"path": "conf/serve.yaml", "key": "max-num-seqs", "value": "${s}"}}]},
+    {"id": "breaks", "order": 40, "apply": [{"replace": {"path": "app.txt", "old": "MODE = plain",
+                                                         "new": "MODE = BROKEN"}},
+                                            {"deploy": {"src": "files/extra.txt", "dest": "new/extra.txt"}}]},
+    {"id": "no-gain", "order": 50, "apply": [{"yaml_set": {"path": "conf/serve.yaml", "key": "gpu.x", "value": 1}},
+                                             {"command": {"run": ["sh", "-c", "ln -s conf/serve.yaml alias"]}}]},
+    {"id": "fails-verify", "order": 60, "apply": [{"command": {"run": ["sh", "-c", "echo junk > junk && rm blob.bin"]}}],
+     "verify": [{"contains": {"path": "app.txt", "text": "never there"}}]},
+]
+
+
+def chaos_project(path):
+    project = make_project(path, plugins=[], policy={"interleave": True, "repeats": 2, "min_pairs": 2,
+                                                     "max_pairs": 2})
+    set_probes(project, [{"name": "correct", "role": "correctness", "command": CORRECT, "timeout": 30},
+                         {"name": "speed", "role": "throughput", "command": SPEED, "objective": "score",
+                          "timeout": 30}])
+    target = project.target
+    for version, level in (("v1", "1"), ("v2", "3")):
+        (target / version).mkdir()
+        (target / version / "level").write_text(level)
+    (target / "current").symlink_to("v1")
+    (target / "spool").mkdir()
+    (target / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(target / "run.sh", 0o755)
+    for manifest in PLUGINS:
+        add_plugin(project, manifest)
+    (project.path / "plugins" / "breaks" / "files").mkdir()
+    (project.path / "plugins" / "breaks" / "files" / "extra.txt").write_text("extra\n")
+    return project
+
+
+def check_recovered(project, original) -> None:
+    if not (project.state / "orchestrator.db").exists():  # killed before it recorded anything
+        assert state_images(project.target) == original
+        return
+    db = sqlite3.connect(f"file:{project.state / 'orchestrator.db'}?mode=ro", uri=True)
+    assert db.execute("SELECT COUNT(*) FROM runs WHERE status = 'running'").fetchone() == (0,)
+    assert db.execute("SELECT COUNT(*) FROM steps WHERE state != 'done'").fetchone() == (0,)
+    db.close()
+    assert_consistent(project.target, expected_images(original, project.state / "orchestrator.db"))
+    out = project.cli("rollback", "--all", check=0)
+    assert "Traceback" not in out.stderr
+    assert state_images(project.target) == original
+
+
+def locked(project, proc) -> float:
+    """When the command took the state lock (its holder note appears): the end of its start-up."""
+    holder = project.state / "orchestrator.lock.holder"
+    while not holder.exists() and proc.poll() is None:
+        time.sleep(0.005)
+    return time.monotonic()
+
+
+def kill_at(project, args, delay: float) -> bool:
+    """Start the command, SIGKILL it `delay` seconds after it took the lock; False when it had finished."""
+    proc = project.spawn(*args)
+    start = locked(project, proc)
+    time.sleep(max(0.0, delay - (time.monotonic() - start)))
+    alive = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)  # a no-op when it has ended
+    proc.communicate()
+    return alive
+
+
+def test_kill_a_run_at_random_instants(tmp_path):
+    calibration = chaos_project(tmp_path / "calibration")
+    original = state_images(calibration.target)
+    proc = calibration.spawn("run")
+    start = locked(calibration, proc)
+    proc.communicate()
+    duration = time.monotonic() - start  # from the lock to the end: recovery, baseline, plugins, re-validation
+    assert proc.returncode == 0
+    assert calibration.outcomes() == {
+        "faster": ("kept", None), "switch": ("kept", None), "tune": ("kept", None),
+        "breaks": ("rolled_back", "incorrect"), "no-gain": ("rolled_back", "no_gain"),
+        "fails-verify": ("rolled_back", "verify_failed")}
+    check_recovered(calibration, original)
+
+    rng = random.Random(SEED)
+    delays = [rng.uniform(0.0, duration) for _ in range(TRIALS)]
+
+    def trial(i: int) -> tuple[bool, bool]:
+        project = chaos_project(tmp_path / f"t{i}")
+        killed = kill_at(project, ["run"], delays[i])
+        out = project.cli("recover")
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (i, delays[i], out.stdout, out.stderr)
+        check_recovered(project, original)
+        return killed, "rolled_back" in out.stdout
+
+    with ThreadPoolExecutor(2) as pool:  # two at a time: each trial waits on its subprocesses
+        results = list(pool.map(trial, range(TRIALS)))
+    killed, recovered = sum(k for k, _ in results), sum(r for _, r in results)
+    print(f"chaos: {TRIALS} runs killed at random instants (seed {SEED}, run {duration:.1f}s): {killed} while "
+          f"running, {recovered} with a step to roll back; every one recovered consistent and rolled back exactly")
+    assert killed >= TRIALS // 2
+
+
+def test_kill_a_rollback_at_random_instants(tmp_path):
+    rng = random.Random(SEED + 1)
+    delays = [rng.uniform(0.0, 1.0) for _ in range(ROLLBACK_TRIALS)]
+
+    def trial(i: int) -> None:
+        project = chaos_project(tmp_path / f"r{i}")
+        original = state_images(project.target)
+        project.cli("run", check=0)
+        kill_at(project, ["rollback", "--all"], delays[i])
+        out = project.cli("recover")
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (i, out.stdout, out.stderr)
+        check_recovered(project, original)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(trial, range(ROLLBACK_TRIALS)))

@@ -1,0 +1,62 @@
+"""What is kept stays coherent: a plugin a kept plugin requires is rolled back only with it, a mode changed by
+hand is drift, and blobs nothing needs any more are collected."""
+from __future__ import annotations
+
+import os
+
+from core_project import make_project, state_images, tree
+
+
+def test_a_required_plugin_is_rolled_back_only_with_its_dependents(tmp_path):
+    project = make_project(tmp_path / "p", plugins=["speedup", "command-step"])
+    original = tree(project.target)
+    project.cli("run", check=0)
+    assert project.outcomes() == {"speedup": ("kept", None), "command-step": ("kept", None)}
+    before = tree(project.target), history(project)
+    proc = project.cli("rollback", "speedup", check=1)
+    message = " ".join(proc.stderr.split())
+    assert "command-step requires speedup" in message
+    assert "orchestrator rollback command-step speedup" in message
+    assert (tree(project.target), history(project)) == before
+    out = project.cli("rollback", "speedup", "command-step", check=0).stdout
+    assert "rolled_back command-step" in out and "rolled_back speedup" in out
+    assert tree(project.target) == original
+
+
+def history(project) -> list:
+    db = project.db()
+    return [list(map(tuple, db.execute(f"SELECT * FROM {table} ORDER BY 1"))) for table in ("deployed", "steps", "runs")]
+
+
+def test_a_mode_changed_by_hand_is_drift(tmp_path):
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    project.cli("run", check=0)
+    os.chmod(project.target / "app.txt", 0o600)
+    proc = project.cli("rollback", "speedup", check=1)
+    assert "files changed since they were kept (use --force to overwrite them): speedup: app.txt" in proc.stderr
+    assert (project.target / "app.txt").stat().st_mode & 0o777 == 0o600
+    project.cli("run", check=0)  # not already_applied: staged again, as a kept plugin whose file changed
+    assert project.outcomes()["speedup"] != ("kept", "already_applied")
+    assert any("speedup: kept earlier but app.txt changed since" in r[0]
+               for r in project.db().execute("SELECT message FROM events WHERE kind = 'stale'"))
+
+
+def blobs(project) -> set[str]:
+    return {p.name for p in (project.state / "blobs").iterdir()}
+
+
+def test_blobs_nothing_needs_are_collected(tmp_path):
+    project = make_project(tmp_path / "p", plugins=["speedup", "half-way", "bad-verify", "no-gain", "command-step"])
+    original = state_images(project.target)
+    project.cli("run", check=0)
+    db = project.db()
+    kept = {i for row in db.execute("SELECT f.before, f.after FROM files f JOIN deployed d ON d.step_id = f.step_id")
+            for i in row if i and len(i) == 64}
+    everything = blobs(project)
+    assert kept < everything  # the rolled-back attempts' images and the command step's snapshot are there too
+    out = project.cli("gc", check=0).stdout
+    assert f"removed {len(everything - kept)} blob(s)" in out
+    assert blobs(project) == kept
+    project.cli("rollback", "--all", check=0)  # what a rollback needs was kept
+    assert state_images(project.target) == original
+    assert blobs(project) == set()  # and after rollback --all nothing is needed
