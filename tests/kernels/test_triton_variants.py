@@ -64,8 +64,9 @@ def test_decode_splits_follow_each_sequence_length(min_split):
 
 def test_decode_split_count_fills_the_machine_and_respects_the_minimum_split():
     from kernels.decode_triton import num_splits
-    cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 16 programs wanted at 4 per SM
-    assert num_splits(1, 2, 4096, cpu, 256) == 8
+    cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 32 programs wanted at 8 per SM
+    assert num_splits(1, 2, 4096, cpu, 256) == 16
+    assert num_splits(1, 2, 4096, cpu, 256, programs_per_sm=4) == 8
     assert num_splits(1, 2, 300, cpu, 256) == 2  # a 300-token bound fills 2 splits of 256
     assert num_splits(64, 2, 4096, cpu, 256) == 1
 
