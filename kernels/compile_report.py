@@ -28,6 +28,7 @@ import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -89,15 +90,16 @@ class Recorder:
 
     def __init__(self):
         self.rows: list[dict] = []
-        self.case = ""
+        self.case = self.dtype = ""
         self._run = JITFunction.run
 
     def __enter__(self):
         recorder = self
 
         def run(fn, *args, grid, warmup, **kwargs):
+            t0 = time.perf_counter()
             kernel = recorder._run(fn, *args, grid=grid, warmup=True, **kwargs)
-            recorder.add(fn, kernel, kwargs)
+            recorder.add(fn, kernel, kwargs, time.perf_counter() - t0)
             return kernel
 
         JITFunction.run = run
@@ -106,57 +108,57 @@ class Recorder:
     def __exit__(self, *exc):
         JITFunction.run = self._run
 
-    def add(self, fn, kernel, kwargs):
+    def add(self, fn, kernel, kwargs, seconds):
         md = kernel.metadata
-        consts = {k: v for k, v in kwargs.items() if k.isupper() and isinstance(v, (int, bool))
-                  and k.startswith(("BLOCK", "BT", "BV", "BK", "TAIL", "CHUNK", "SPLIT"))}
-        row = dict(case=self.case, kernel=fn.fn.__name__, num_warps=md.num_warps, num_stages=md.num_stages,
-                   shared=md.shared, **consts)
-        row.update(_resource_usage(kernel.asm["cubin"]))
+        consts = {k: v for k, v in kwargs.items() if k.isupper() and isinstance(v, (int, bool))}
+        row = dict(case=self.case, dtype=self.dtype, kernel=fn.fn.__name__, num_warps=md.num_warps,
+                   num_stages=md.num_stages, shared=md.shared, **consts)
+        row.update(_resource_usage(kernel.asm["cubin"]), compile_s=round(seconds, 1))
         self.rows.append(row)
 
 
-def cases(names: list[str]):
-    """(name, label, thunk) of each case: a wrapper called on CPU tensors shaped as on the GPU."""
+def cases(names: list[str], quick: bool = False):
+    """(label, dtype, thunk) of each case: a wrapper called on CPU tensors shaped as on the GPU.
+    ``quick``: the Qwen3.6-35B-A3B shapes in bfloat16 and the engine's float32 checks only."""
     import kernels
     from kernels import bench, inputs
 
     out = []
     if "decode" in names:
         fn = kernels.get("paged_decode", "v2_triton")
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32):
             args = inputs.paged_decode([600, 33], dtype=dtype, **bench.ATTENTION)
-            out.append(("decode", f"v2_triton {_dt(dtype)} head 256", lambda a=args, f=fn: f(**a)))
+            out.append((f"v2_triton {_dt(dtype)} head 256", dtype, lambda a=args, f=fn: f(**a)))
         args = inputs.paged_decode([600, 33], num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32)
-        out.append(("decode", "v2_triton float32 small preset", lambda a=args, f=fn: f(**a)))
+        out.append(("v2_triton float32 small preset", torch.float32, lambda a=args, f=fn: f(**a)))
     if "prefill" in names:
         fn = kernels.get("prefix_prefill", "triton")
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
             args = inputs.prefix_prefill([(40, 70)], dtype=dtype, **bench.ATTENTION)
-            out.append(("prefill", f"triton {_dt(dtype)} head 256",
-                        lambda a=args, f=fn: f(**a, max_query_len=70)))
+            out.append((f"triton {_dt(dtype)} head 256", dtype, lambda a=args, f=fn: f(**a, max_query_len=70)))
     if "moe" in names:
         from kernels import moe_triton
         moe_triton.align_block_size = _shape_only_align
         fn = kernels.get("moe", "triton")
-        for dtype, tokens in [(torch.bfloat16, t) for t in (1, 8, 64, 256, 512, 2048, 16384)] + [
-                (torch.float32, t) for t in (1, 256, 4096)]:
+        sizes = [(torch.bfloat16, t) for t in ((256, 2048) if quick else (1, 8, 64, 256, 512, 2048, 16384))]
+        for dtype, tokens in sizes + ([] if quick else [(torch.float32, t) for t in (1, 256, 4096)]):
             args = _moe_args(tokens, dtype, **bench.MOE)
-            out.append(("moe", f"triton {_dt(dtype)} {tokens} tokens", lambda a=args, f=fn: f(**a)))
+            out.append((f"triton {_dt(dtype)} {tokens} tokens", dtype, lambda a=args, f=fn: f(**a)))
         small = dict(hidden=512, experts=32, intermediate=128, top_k=4)  # the engine's small preset
-        for tokens in (12, 64, 1024):
+        for tokens in (12,) if quick else (12, 64, 1024):
             args = _moe_args(tokens, torch.float32, **small)
-            out.append(("moe", f"triton float32 small preset {tokens} tokens", lambda a=args, f=fn: f(**a)))
+            out.append((f"triton float32 small preset {tokens} tokens", torch.float32,
+                        lambda a=args, f=fn: f(**a)))
     if "gdn" in names:
-        for variant in ("triton_chunk", "triton_recurrent"):
+        for variant in ("triton_chunk",) if quick else ("triton_chunk", "triton_recurrent"):
             fn = kernels.get("gated_delta_rule", variant)
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                for head in (128, 256):
+            for dtype in (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16, torch.float32):
+                for head in (128,) if quick else (128, 256):
                     dims = dict(bench.GDN, head_k=head, head_v=head)
                     lens = [100, 30] if variant == "triton_chunk" else [1, 1]
                     args = inputs.gated_delta_rule(lens, packed=variant == "triton_chunk", slots=True, dtype=dtype,
                                                    **dims)
-                    out.append(("gdn", f"{variant} {_dt(dtype)} head {head}", lambda a=args, f=fn: f(**a)))
+                    out.append((f"{variant} {_dt(dtype)} head {head}", dtype, lambda a=args, f=fn: f(**a)))
     return out
 
 
@@ -185,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--shared-mem", type=int, default=H200["shared_mem"], help="bytes per program the device allows")
     p.add_argument("--sms", type=int, default=H200["sms"], help="streaming multiprocessors (split counts)")
     p.add_argument("--cases", default="decode,prefill,moe,gdn")
+    p.add_argument("--quick", action="store_true",
+                   help="Qwen3.6-35B-A3B's shapes in bfloat16 and the engine's float32 checks only (~30 s)")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", a.arch, 32)))
@@ -195,17 +199,18 @@ def main(argv=None) -> int:
     rec = Recorder()
     failures = []
     with rec:
-        for _, label, thunk in cases(a.cases.split(",")):
-            rec.case = label
+        for label, dtype, thunk in cases(a.cases.split(","), a.quick):
+            rec.case, rec.dtype = label, _dt(dtype)
             try:
                 thunk()
             except Exception as exc:  # a compile error is a finding: report it and go on
                 failures.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
     over = [r for r in rec.rows if r["shared"] > a.shared_mem]
     cols = ["case", "kernel", "num_warps", "num_stages", "shared", "registers", "stack"]
+    shown = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BT", "BV", "TAIL_N")
     print(" | ".join(cols + ["tiles"]) + "   (shared: bytes per program; stack: spilled bytes per thread)")
     for r in rec.rows:
-        tiles = ", ".join(f"{k}={v}" for k, v in r.items() if k not in cols)
+        tiles = ", ".join(f"{k}={r[k]}" for k in shown if k in r)
         print(" | ".join(str(r.get(c, "")) for c in cols) + " | " + tiles
               + ("  OVER THE LIMIT" if r["shared"] > a.shared_mem else ""))
     for f in failures:

@@ -199,13 +199,19 @@ def tuned_config(tokens: int, num_experts: int, hidden: int, inter: int, dtype: 
     """A measured configuration for this expert shape on this device, when ``kernels/moe_configs``
     has one (vLLM's scheme: one file per shape and device, keyed by token count; the nearest count
     is used). ``python -m engine.gpu_report --sections moe-tune`` writes such files."""
-    if device.type != "cuda":
+    name = device_name(device)
+    if name is None:
         return None
-    table = _tuned_table(num_experts, hidden, inter, str(dtype).removeprefix("torch."),
-                         torch.cuda.get_device_name(device).replace(" ", "_"))
+    table = _tuned_table(num_experts, hidden, inter, str(dtype).removeprefix("torch."), name)
     if not table:
         return None
     return table[min(table, key=lambda t: abs(t - tokens))]
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str | None:
+    """The name tuned files carry (``NVIDIA_H200``), None off CUDA."""
+    return torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else None
 
 
 def config_file_name(num_experts: int, hidden: int, inter: int, dtype: str, device_name: str) -> str:
@@ -222,8 +228,10 @@ def _tuned_table(num_experts, hidden, inter, dtype, device_name) -> dict[int, di
 
 def gemm_shared(block_m: int, block_n: int, block_k: int, stages: int, elt: int, gated: bool) -> int:
     """Shared memory of one GEMM program: the A tile and one (gated: two) weight tiles per buffered
-    stage (Triton keeps num_stages - 1 in flight; the figure Triton reports for these tiles)."""
-    return max(1, stages - 1) * (block_m * block_k + (2 if gated else 1) * block_k * block_n) * elt
+    stage, as Triton reports it: num_stages - 1 buffers, num_stages where 64-row tiles take Hopper's
+    warp-group MMA (counted for any device: an estimate on the high side)."""
+    buffers = stages if block_m >= 64 else max(1, stages - 1)
+    return buffers * (block_m * block_k + (2 if gated else 1) * block_k * block_n) * elt
 
 
 def fitting(gemm: dict, block_m: int, elt: int, gated: bool, limit: int) -> list[dict]:
