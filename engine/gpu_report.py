@@ -213,9 +213,26 @@ def section_moe(args, copy_gbps: float, mm_tflops: float) -> None:
                 f"triton {row[key]:.3f} ms = {row[key] / floor:.2f}x floor ({best / floor:.2f}x best, {best_cfg}); "
                 f"grouped_mm {gmm_ms:.3f} ms ({row[key] / gmm_ms:.2f}x); eager triton {row['triton_ms']:.3f} vs "
                 f"grouped_mm {row['grouped_mm_ms']:.3f}", "<= 1.3x floor at 256; <= grouped_mm")
+        if t in (256, 2048):  # where the time goes: routing, alignment, the two GEMMs, the sum
+            row["kernels_ms"] = _per_kernel_ms(lambda: tri(**a))
+            say("  per kernel: " + ", ".join(f"{k} {v:.3f} ms" for k, v in row["kernels_ms"].items()))
         del a
         torch.cuda.empty_cache()
     RESULTS["moe"] = rows
+
+
+def _per_kernel_ms(fn, calls: int = 5) -> dict[str, float]:
+    """GPU time per kernel name and call (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {e.key[:48]: e.device_time_total / 1e3 / calls for e in prof.key_averages()
+             if e.device_type == torch.autograd.DeviceType.CUDA}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 TUNE_BLOCK_M = (16, 32, 64, 128)
