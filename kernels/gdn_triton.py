@@ -64,8 +64,8 @@ def _recurrent_kernel(Q, K, V, G, BETA, O, STATE, SLOTS, CU, scale, sq, sk, sv, 
 def _chunk_prepare_kernel(Q, K, V, G, BETA, QN, KN, WK, WV, GC, CHUNK_SEQ, CHUNK_START, CU, num_seqs, sq, sk, sv, sg,
                           H: tl.constexpr, HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
                           DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    """One chunk of one head: its cumulative decay, (I + L)^-1 by forward substitution, W_k and W_v;
+                          PRECISION: tl.constexpr, LOG2_BT: tl.constexpr, INV_PRECISION: tl.constexpr):
+    """One chunk of one head: its cumulative decay, (I + L)^-1, W_k and W_v;
     the first value head of each key head also writes the chunk's normalised q and k. All of them
     in WK's dtype: the operands the scan's dots take as they are."""
     c, h = tl.program_id(0), tl.program_id(1)
@@ -92,15 +92,20 @@ def _chunk_prepare_kernel(Q, K, V, G, BETA, QN, KN, WK, WV, GC, CHUNK_SEQ, CHUNK
         strict = r[:, None] > r[None, :]
         kd = k.to(DOT)
         kk = tl.dot(kd, tl.trans(kd), input_precision=PRECISION)
+        kb = (k * (beta * tl.exp(gc))[:, None]).to(DOT)  # W_k's right side; k's float32 copy ends here
         lower = tl.where(strict, beta[:, None] * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)) * kk, 0.0)
-        # (I + L)^-1 by forward substitution: row i becomes -L_i - sum_{s<i} L_is X_s
-        inv = -lower
-        for i in range(1, tl.minimum(eos - start, BT)):  # rows past the sequence's end stay 0
-            row = tl.sum(tl.where(r[:, None] == i, inv, 0.0), 0)
-            new = row + tl.sum(row[:, None] * inv, 0)
-            inv = tl.where(r[:, None] == i, new[None, :], inv)
-        inv = (inv + tl.where(r[:, None] == r[None, :], 1.0, 0.0)).to(DOT)
-        wk = tl.dot(inv, (k * (beta * tl.exp(gc))[:, None]).to(DOT), input_precision=PRECISION)
+        # (I + L)^-1 by recursive blocking, all in whole-tile dots: with E the inverse of every diagonal
+        # block of size h, each block of size 2h, [[A, 0], [C, B]], has the inverse
+        # [[A^-1, 0], [-B^-1 C A^-1, B^-1]], i.e. E - E C E with C the lower-left quadrants
+        inv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        for level in tl.static_range(LOG2_BT):
+            half = 1 << level
+            quadrant = ((r[:, None] // (2 * half)) == (r[None, :] // (2 * half))) & (
+                (r[:, None] // half) > (r[None, :] // half))
+            corner = tl.dot(inv, tl.where(quadrant, lower, 0.0), input_precision=INV_PRECISION)
+            inv = inv - tl.dot(corner, inv, input_precision=INV_PRECISION)
+        inv = inv.to(DOT)
+        wk = tl.dot(inv, kb, input_precision=PRECISION)
         tl.store(WK + rows[:, None] * (H * DK) + h * DK + dk[None, :], wk.to(DOT), mask=valid[:, None])
         tl.store(GC + rows * H + h, gc, mask=valid)
         for v0 in tl.static_range(0, DV, BV):
@@ -200,9 +205,9 @@ def _scan_shared(chunk: int, dk: int, block_v: int, stages: int, elt: int) -> in
 
 
 def _prepare_shared(chunk: int, dk: int, block_v: int, elt: int) -> int:
-    """Shared memory of the prepare kernel: k and the decayed keys as dot operands, the inverse
-    in float32, one value block."""
-    return 2 * chunk * dk * elt + chunk * chunk * 4 + chunk * block_v * elt + 2048
+    """Shared memory of the prepare kernel: k and the decayed keys as dot operands, the float32
+    operands of the inverse's dots, one value block."""
+    return 2 * chunk * dk * elt + 3 * chunk * chunk * 4 + chunk * block_v * elt + 2048
 
 
 def chunk_configs(dk: int, dv: int, dtype: torch.dtype, programs: int, device: torch.device, chunk_size=None,
@@ -259,6 +264,9 @@ def gated_delta_rule_triton_chunk(q, k, v, g, beta, scale=None, initial_state=No
     configs = chunk_configs(dk, dv, q.dtype, n * h, q.device, chunk_size, block_v, num_warps, num_stages,
                             prepare_warps)
     dot_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    # the inverse's dots: tf32 on tensor cores (ten mantissa bits: finer than the 16-bit W_k and W_v it
+    # feeds), exact for float32 inputs
+    inv_precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     # the chunks' operands, each in the dtype the scan's dots take
     qn = torch.empty(total, hk, dk, dtype=dot_dtype, device=q.device)
     kn = torch.empty(total, hk, dk, dtype=dot_dtype, device=q.device)
@@ -281,7 +289,7 @@ def gated_delta_rule_triton_chunk(q, k, v, g, beta, scale=None, initial_state=No
         _chunk_prepare_kernel[(bound, h)](qf, kf, vf, gf, bf, qn, kn, wk, wv, gc, chunk_seq, chunk_start, cu, n,
                                           qf.stride(0), kf.stride(0), vf.stride(0), gf.stride(0), BV=min(dv, 64),
                                           L2NORM=use_qk_l2norm_in_kernel, num_warps=cfg["prepare_warps"],
-                                          **common)
+                                          LOG2_BT=bt.bit_length() - 1, INV_PRECISION=inv_precision, **common)
         bv = cfg["block_v"]
         _chunk_scan_kernel[(dv // bv, n, h)](qn, kn, wk, wv, gc, out, buf, slots, cu, scale, out.stride(0), BV=bv,
                                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)

@@ -62,6 +62,18 @@ def test_decode_splits_follow_each_sequence_length(min_split):
         assert err < check.TOLERANCE[torch.float32], (bound, err)
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_whole_tiles_then_the_last_partial_one_in_block_pieces(block_size):
+    """64-token tiles: contexts ending on a tile edge, one or several cache blocks past it, inside a
+    block, and a single token; splits of 64 and 128 tokens so that several programs end mid-context."""
+    args = inputs.paged_decode([64, 113, 50, 1, 200], num_heads=4, num_kv_heads=2, head_size=16,
+                               block_size=block_size, seed=9)
+    fn = kernels.get("paged_decode", "v2_triton")
+    for min_split in (64, 128):
+        err = _error("paged_decode", functools.partial(fn, block_n=64, min_split=min_split), args)
+        assert err < check.TOLERANCE[torch.float32], (min_split, err)
+
+
 def test_decode_split_count_fills_the_machine_and_respects_the_minimum_split():
     from kernels.decode_triton import num_splits
     cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 32 programs wanted at 8 per SM
