@@ -369,11 +369,12 @@ def server_argv(args: argparse.Namespace) -> list[str]:
 
 
 async def warm_up(base_url: str, model: str, workload: Workload, request_timeout: float) -> float:
-    """One concurrent batch shaped like the workload, from other prompts (its prefixes do not
-    prime the measured ones): kernels that compile per shape at first use (Triton's JIT) do so
-    here instead of inside the measured window. Returns its wall time."""
+    """One concurrent batch as wide as the workload's, from other and shorter prompts (their
+    prefixes do not prime the measured ones): kernels that compile at first use for a batch shape
+    (Triton's JIT) do so here instead of inside the measured window. Returns its wall time."""
     batch = min(workload.num_prompts, workload.max_concurrency or workload.num_prompts)
-    warm = replace(workload, num_prompts=batch, output_len=min(workload.output_len, 16),
+    warm = replace(workload, num_prompts=batch, input_len=min(workload.input_len, 1024),
+                   output_len=min(workload.output_len, 16),
                    request_rate=math.inf, seed=workload.seed + 1_000_003)
     outcomes, duration, _ = await drive(base_url, model, warm, request_timeout)
     if not any(o.success for o in outcomes):

@@ -25,7 +25,7 @@ ON_PINNED = {"max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "de
 NEWER_ONLY = {"cudagraph-capture-size"}  # max-cudagraph-capture-size: not an option of 0.10.2
 FORK_ONLY = {"fork-head-mapping-tensor", "fork-enable-triton", "fork-xformers-flash-prefill", "decode-v2-long",
              "decode-threshold-64k"}
-ENGINE_ONLY = {"prefill-pregather", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs", "gdn-prefill-triton",
+ENGINE_ONLY = {"prefill-pregather", "prefill-triton-autotune", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs", "gdn-prefill-triton",
                "gdn-decode-triton"}
 
 
