@@ -111,19 +111,32 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
 @triton.jit
 def _reduce_kernel(LENS, OUT, TMP, MAXS, SUMS, so0, so1, st0, st1, st2, sm0, sm1,
                    num_splits, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                   SPLITS_PAD: tl.constexpr):
+                   CHUNK: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, head)'s splits, CHUNK splits at a time (a context long
+    enough for hundreds of splits never holds them all in registers): the largest maximum first,
+    then the splits' outputs weighted by their exp-sums relative to it."""
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(LENS + seq)
     used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT))
-    p = tl.arange(0, SPLITS_PAD)
+    c = tl.arange(0, CHUNK)
     d = tl.arange(0, HEAD)
-    live = p < used
-    m = tl.load(MAXS + seq * sm0 + head * sm1 + p, mask=live, other=float("-inf"))
-    l = tl.load(SUMS + seq * sm0 + head * sm1 + p, mask=live, other=0.0)
-    w = tl.where(live, tl.exp2(m - tl.max(m, 0)) * l, 0.0)
-    o = tl.load(TMP + seq * st0 + head * st1 + p[:, None] * st2 + d[None, :], mask=live[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(OUT + seq * so0 + head * so1 + d, out.to(OUT.dtype.element_ty))
+    maxs = MAXS + seq * sm0 + head * sm1
+    sums = SUMS + seq * sm0 + head * sm1
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for p0 in range(0, used, CHUNK):
+        top = tl.maximum(top, tl.load(maxs + p0 + c, mask=p0 + c < used, other=float("-inf")))
+    m = tl.max(top, 0)
+    acc = tl.zeros([HEAD], tl.float32)
+    total = tl.zeros([CHUNK], tl.float32)
+    for p0 in range(0, used, CHUNK):
+        live = p0 + c < used
+        w = tl.where(live, tl.exp2(tl.load(maxs + p0 + c, mask=live, other=float("-inf")) - m)
+                     * tl.load(sums + p0 + c, mask=live, other=0.0), 0.0)
+        o = tl.load(TMP + seq * st0 + head * st1 + (p0 + c)[:, None] * st2 + d[None, :], mask=live[:, None],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        total += w
+    tl.store(OUT + seq * so0 + head * so1 + d, (acc / tl.sum(total, 0)).to(OUT.dtype.element_ty))
 
 
 def num_splits(num_seqs: int, num_kv_heads: int, bound: int, device: torch.device, min_split: int,
@@ -203,7 +216,7 @@ def paged_decode_v2_triton(query, key_cache, value_cache, block_tables, seq_lens
             _reduce_kernel[(num_seqs, num_heads)](
                 seq_lens, out, tmp, maxs, sums, out.stride(0), out.stride(1), tmp.stride(0), tmp.stride(1),
                 tmp.stride(2), maxs.stride(0), maxs.stride(1), splits, HEAD=head, BLOCK_N=bn, MIN_SPLIT=min_tokens,
-                SPLITS_PAD=triton_env.pow2(splits), num_warps=4)
+                CHUNK=min(32, triton_env.pow2(splits)), num_warps=4)
 
     configs = launch_configs(head, group_pad, query.element_size(), block_size, query.device, block_n, num_warps,
                              num_stages)

@@ -74,6 +74,15 @@ def test_decode_whole_tiles_then_the_last_partial_one_in_block_pieces(block_size
         assert err < check.TOLERANCE[torch.float32], (min_split, err)
 
 
+def test_decode_merges_more_splits_than_one_reduction_chunk_holds():
+    """63 splits of 16 tokens: the merge walks them 32 at a time."""
+    args = inputs.paged_decode([1000, 37], num_heads=4, num_kv_heads=1, head_size=16, block_size=8, seed=4)
+    fn = functools.partial(kernels.get("paged_decode", "v2_triton"), block_n=16, min_split=16, programs_per_sm=20)
+    from kernels.decode_triton import num_splits
+    assert num_splits(2, 1, args["block_tables"].shape[1] * 8, torch.device("cpu"), 16, 20) > 32
+    assert _error("paged_decode", fn, args) < check.TOLERANCE[torch.float32]
+
+
 def test_decode_split_count_fills_the_machine_and_respects_the_minimum_split():
     from kernels.decode_triton import num_splits
     cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 32 programs wanted at 8 per SM
