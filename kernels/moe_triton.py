@@ -158,16 +158,25 @@ def route_triton(router_logits, top_k: int, renormalize: bool, shared_experts: i
     return weights, ids
 
 
-def align_triton(ids, num_experts: int, block_m: int):
-    """``routing.align_block_size`` (same outputs, same upper-bound sizes) in one launch."""
+def align_triton(ids, num_experts: int, block_m: int, used_blocks: int | None = None):
+    """``routing.align_block_size`` (same outputs, same upper-bound sizes) in one launch.
+    ``used_blocks`` (a bound of the blocks in use, :func:`used_blocks`) leaves the rows past them
+    unwritten: nothing reads them, and at decode sizes they are most of the buffer."""
     numel = ids.numel()
     cap = numel + num_experts * (block_m - 1)
     cap = (cap + block_m - 1) // block_m * block_m
     sorted_pairs = torch.empty(cap, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](ids, sorted_pairs, block_expert, numel, cap, cap // block_m, E=num_experts,
+    blocks = cap // block_m if used_blocks is None else min(used_blocks, cap // block_m)
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, numel, blocks * block_m, blocks, E=num_experts,
                         E_PAD=triton_env.pow2(num_experts), BLOCK_M=block_m, CHUNK=32, num_warps=8)
     return sorted_pairs, block_expert
+
+
+def used_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound of the BLOCK_M-row blocks the aligned pairs fill: every expert's group comes
+    first, one after the other, with at most one partial block each."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
 # Launch configurations by rows per expert (token-expert pairs / experts): (rows up to, BLOCK_M,
@@ -284,12 +293,12 @@ def moe_triton(hidden_states, router_logits, w13, w2, top_k, renormalize=True, s
     block_m = cfg["BLOCK_M"]
     x = hidden_states.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
+    bound = used_blocks(num_pairs, num_experts, block_m)
     if num_pairs <= ALIGN_ONE_PROGRAM_MAX:
-        pairs, block_expert = align_triton(ids, num_experts, block_m)
+        pairs, block_expert = align_triton(ids, num_experts, block_m, bound)
     else:
         pairs, block_expert = align_block_size(ids.long(), num_experts, block_m)
-    # the expert blocks in use come first: at most one partial block per expert that has rows
-    blocks = min(block_expert.numel(), triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs))
+    blocks = min(block_expert.numel(), bound)  # the GEMMs' grids: only blocks that can be in use
     elt, limit = x.element_size(), triton_env.max_shared_mem(x.device)
     common = dict(BLOCK_M=block_m, TOP_K=k, PRECISION=triton_env.dot_precision(hidden_states.dtype))
     act = x.new_empty(num_pairs, inter)

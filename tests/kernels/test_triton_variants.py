@@ -163,6 +163,14 @@ def test_one_launch_routing_and_alignment_match_the_torch_ones(tokens, experts, 
     pairs, block_expert = align_triton(ids, experts + shared, block_m)
     pairs0, block_expert0 = routing.align_block_size(ids0, experts + shared, block_m)
     assert torch.equal(pairs, pairs0) and torch.equal(block_expert, block_expert0)
+    # bounded to the blocks that can be in use: those rows and blocks alike, every live one inside
+    from kernels.moe_triton import used_blocks
+    n = used_blocks(ids.numel(), experts + shared, block_m)
+    assert int((block_expert0 >= 0).sum()) <= n
+    pairs_b, block_expert_b = align_triton(ids, experts + shared, block_m, n)
+    n = min(n, block_expert0.numel())
+    assert torch.equal(pairs_b[:n * block_m], pairs0[:n * block_m]) and torch.equal(block_expert_b[:n],
+                                                                                      block_expert0[:n])
 
 
 @pytest.mark.parametrize("variant", ["reference", "gather", "sorted", "triton"])
