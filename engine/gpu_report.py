@@ -1,7 +1,7 @@
 """One command for the engine's speed work on one GPU: correctness first, then the figures.
 
     python -m engine.gpu_report [--layers 40] [--full-workload] [--sections checks,graphs,decode,moe,engine]
-    python -m engine.gpu_report --sections moe-tune     # the per-size MoE launch search (~4 min)
+    python -m engine.gpu_report --sections moe-tune     # the per-size MoE launch search (~5 min)
 
 In order, each section printed as soon as it is done (a run cut short keeps what it finished):
 
@@ -405,7 +405,7 @@ DEFAULT_SECTIONS = ("checks", "graphs", "decode", "moe", "engine")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.gpu_report", description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                   help=f"comma-separated, of {', '.join(SECTIONS)} (moe-tune: a longer MoE search, ~3 min)")
+                   help=f"comma-separated, of {', '.join(SECTIONS)} (moe-tune: a longer MoE search, ~5 min)")
     p.add_argument("--layers", type=int, default=40, help="engine section: layers of Qwen3.6-35B-A3B")
     p.add_argument("--graph-dtypes", default="float32",
                    help="graphs section: dtypes of the small-preset check (comma-separated, e.g. float32,bfloat16)")
