@@ -102,7 +102,8 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
         tl.store(OUT + seq * so0 + head[:, None] * so1 + d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
                  mask=keep_2d)
     else:
-        tl.store(TMP + seq * st0 + head[:, None] * st1 + split * st2 + d[None, :], acc / l_i[:, None],
+        tl.store(TMP + seq * st0 + head[:, None] * st1 + split * st2 + d[None, :],
+                 (acc / l_i[:, None]).to(TMP.dtype.element_ty),
                  mask=keep_2d)
         tl.store(MAXS + seq * sm0 + head * sm1 + split, m_i, mask=keep)
         tl.store(SUMS + seq * sm0 + head * sm1 + split, l_i, mask=keep)
@@ -133,7 +134,7 @@ def _reduce_kernel(LENS, OUT, TMP, MAXS, SUMS, so0, so1, st0, st1, st2, sm0, sm1
         w = tl.where(live, tl.exp2(tl.load(maxs + p0 + c, mask=live, other=float("-inf")) - m)
                      * tl.load(sums + p0 + c, mask=live, other=0.0), 0.0)
         o = tl.load(TMP + seq * st0 + head * st1 + (p0 + c)[:, None] * st2 + d[None, :], mask=live[:, None],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None] * o, 0)
         total += w
     tl.store(OUT + seq * so0 + head * so1 + d, (acc / tl.sum(total, 0)).to(OUT.dtype.element_ty))
@@ -201,7 +202,9 @@ def paged_decode_v2_triton(query, key_cache, value_cache, block_tables, seq_lens
         min_tokens = -(-max(min_split, bn) // bn) * bn
         splits = num_splits(num_seqs, kvh, bound, query.device, min_tokens, programs_per_sm)
         single = splits == 1
-        tmp = torch.empty(num_seqs, num_heads, splits, head, dtype=torch.float32, device=query.device)
+        # each split's normalised output in the query's dtype, as vLLM's tmp_out: a convex combination
+        # of V rows, so in V's range; the maxima and sums that weight them stay float32
+        tmp = torch.empty(num_seqs, num_heads, splits, head, dtype=query.dtype, device=query.device)
         maxs = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
         sums = torch.empty_like(maxs)
         _split_kernel[(num_seqs, kvh, splits)](
