@@ -196,7 +196,8 @@ def section_moe(args, copy_gbps: float, mm_tflops: float) -> None:
         row = dict(tokens=t, floor_ms=floor, triton_ms=_ms(lambda: tri(**a)), grouped_mm_ms=_ms(lambda: gmm(**a)))
         if graph:
             row.update(triton_graph_ms=_ms(lambda: tri(**a), True), grouped_mm_graph_ms=_ms(lambda: gmm(**a), True))
-        key = "triton_graph_ms" if graph else "triton_ms"
+        key = "triton_graph_ms" if graph and row.get("triton_graph_ms") else "triton_ms"
+        graph = key == "triton_graph_ms"
         best, best_cfg = row[key], "default"
         for cfg in MOE_SWEEP:
             try:
@@ -255,7 +256,7 @@ def section_moe_tune(args, copy_gbps: float, mm_tflops: float) -> None:
         graph = t <= 512
         per_expert = t * bench.MOE["top_k"] / bench.MOE["experts"]
         base = moe_triton.table_config(t * bench.MOE["top_k"], bench.MOE["experts"])
-        best, best_cfg = _ms(lambda: tri(**a, config=base), graph), base
+        best, best_cfg = _ms(lambda: tri(**a, config=base), graph) or float("inf"), base
         for block_m in [m for m in TUNE_BLOCK_M if m <= max(16, 2 * per_expert)]:  # 1 to 4 of them
             cfg = dict(best_cfg, BLOCK_M=block_m)
             for part in ("gate_up", "down"):
