@@ -2,6 +2,7 @@
 
     python -m engine.gpu_report [--model qwen3.6-35b-a3b-dense] [--layers 40] [--full-workload]
                                 [--sections checks,graphs,decode,moe,engine]
+    python -m engine.gpu_report --sections moe-tune     # the per-size MoE launch search (~5 min)
 
 ``--model``: ``qwen3.6-35b-a3b`` (the default: the hybrid model, 30 Gated DeltaNet and 10 attention
 layers) or ``qwen3.6-35b-a3b-dense`` (every layer attention). In order, each section printed as soon
@@ -16,13 +17,17 @@ as it is done (a run cut short keeps what it finished):
    an attention layer, state slots in the captured step): graph replay against the same static
    step run eagerly (must be identical) and against the plain eager engine.
 3. ``decode``: v2_triton's share of the copy bandwidth at batch 32 and 128, contexts 4K and 8K, over
-   a short sweep of its launch parameters.
+   a sweep of its launch parameters (tiles, warps, stages, programs per SM, split length), eagerly;
+   the default and the best also replayed from a CUDA graph, as the engine runs a decode step.
 4. ``moe``: MoE triton against the weight-streaming floor and ``torch._grouped_mm``, 1 to 16,384
    tokens, default and best of a few launch configurations.
 5. ``engine``: ``--model`` (``--layers`` of its layers): kernels launched per decode step and the
    GPU-busy share of a step at batch 128 (torch.profiler), graphs off and on; then output tok/s on
    200 x (1,000 in, 200 out), graphs on and off (``--full-workload``: 200 x (1,000 in, 2,000 out),
    graphs on only; about 4-5 minutes alone).
+
+``moe-tune`` (not run by default): per token count, a search over BLOCK_M and each GEMM's tiles;
+writes the winners to ``$OUT/moe_configs/`` in the form ``kernels/moe_configs/`` reads.
 
 It imports nothing beyond torch, Triton, NumPy, PyYAML and the project. The last lines are a compact
 table; every figure also goes to ``$OUT/gpu_report.json`` when OUT is set.
@@ -160,30 +165,40 @@ def section_graphs(args) -> None:
 
 
 # ---------------------------------------------------------------- 3. decode attention
+DECODE_SWEEP = ([dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
+                + [dict(block_n=32, num_stages=5), dict(programs_per_sm=4), dict(programs_per_sm=16),
+                   dict(block_n=32, programs_per_sm=16), dict(min_split=128), dict(min_split=512)])
+
+
 def section_decode(args, copy_gbps: float) -> None:
+    """Each configuration timed eagerly; the default and the best also replayed from a CUDA graph
+    (as a captured decode step runs them: no host work between the two kernels)."""
     fn = kernels.get("paged_decode", "v2_triton")
     rows, best_rows = [], []
-    configs = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
-    configs += [dict(programs_per_sm=8), dict(block_n=32, programs_per_sm=8), dict(min_split=128)]
     for b, c in [(32, 4096), (128, 4096), (128, 8192)]:
         a, nbytes, _ = bench.decode_workload(batch=b, context=c)
+        pct = lambda ms: 100 * nbytes / ms / 1e6 / copy_gbps if ms else float("nan")  # noqa: E731
         default = _ms(lambda: fn(**a))
-        best, best_cfg = default, "default"
-        for cfg in configs:
+        best, best_cfg = default, {}
+        for cfg in DECODE_SWEEP:
             try:
                 ms = _ms(lambda cfg=cfg: fn(**a, **cfg))
             except Exception as exc:  # a configuration out of resources: skip it
                 say(f"  skipped {cfg}: {type(exc).__name__}")
                 continue
-            rows.append(dict(batch=b, context=c, **cfg, ms=ms, pct=100 * nbytes / ms / 1e6 / copy_gbps))
+            rows.append(dict(batch=b, context=c, **cfg, ms=ms, pct=pct(ms)))
             if ms < best:
                 best, best_cfg = ms, cfg
-        static = _ms(lambda: fn(**a, max_seq_len=262_144))  # a CUDA graph's bound: the model's whole length
-        pct = lambda ms: 100 * nbytes / ms / 1e6 / copy_gbps  # noqa: E731
+        default_graph = _ms(lambda: fn(**a), True)
+        best_graph = _ms(lambda: fn(**a, **best_cfg), True)
+        static = _ms(lambda: fn(**a, max_seq_len=262_144), True)  # a CUDA graph's bound: the model's whole length
         best_rows.append(dict(batch=b, context=c, default_ms=default, default_pct=pct(default), best_ms=best,
-                              best_pct=pct(best), best=best_cfg, graph_bound_pct=pct(static)))
-        summary(f"decode v2_triton {b} x {c}", f"{pct(default):.0f}% of copy BW default, {pct(best):.0f}% best "
-                f"({best_cfg}), {pct(static):.0f}% with a 256K bound", ">= 80%")
+                              best_pct=pct(best), best=best_cfg or "default", default_graph_ms=default_graph,
+                              default_graph_pct=pct(default_graph), best_graph_ms=best_graph,
+                              best_graph_pct=pct(best_graph), graph_bound_pct=pct(static)))
+        summary(f"decode v2_triton {b} x {c}", f"graph replay {pct(default_graph):.0f}% of copy BW default, "
+                f"{pct(best_graph):.0f}% best ({best_cfg or 'default'}), {pct(static):.0f}% with a 256K bound; "
+                f"eager {pct(default):.0f}% default, {pct(best):.0f}% best", ">= 80%")
         del a
         torch.cuda.empty_cache()
     RESULTS["decode"] = dict(copy_gbps=copy_gbps, best=best_rows, sweep=rows)
@@ -191,21 +206,32 @@ def section_decode(args, copy_gbps: float) -> None:
 
 # ---------------------------------------------------------------- 4. MoE
 MOE_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for m, n, k, w, st in [
-    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 2), (128, 128, 64, 8, 3)]]
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 128, 8, 3), (16, 128, 128, 4, 4), (32, 64, 64, 4, 3),
+    (32, 128, 128, 4, 2), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)]]
+MOE_SIZES = (1, 8, 64, 256, 512, 1024, 2048, 4096, 16384)
+
+
+def _cfg_label(cfg: dict) -> str:
+    if "gate_up" in cfg:
+        return f"M{cfg['BLOCK_M']} " + " ".join(
+            f"{g}:" + "/".join(str(cfg[g][k]) for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+            for g in ("gate_up", "down"))
+    return "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
 
 
 def section_moe(args, copy_gbps: float, mm_tflops: float) -> None:
     """Each variant timed eagerly and replayed from a CUDA graph (as a captured decode step runs it)."""
     tri, gmm = kernels.get("moe", "triton"), kernels.get("moe", "grouped_mm")
     rows = []
-    for t in (1, 8, 64, 256, 512, 2048, 16384):
+    for t in MOE_SIZES:
         a, nbytes, flops = bench.moe_workload(tokens=t)
         floor = max(nbytes / copy_gbps / 1e6, flops / mm_tflops / 1e9)
         graph = t <= 512  # sizes a captured decode step runs
         row = dict(tokens=t, floor_ms=floor, triton_ms=_ms(lambda: tri(**a)), grouped_mm_ms=_ms(lambda: gmm(**a)))
         if graph:
             row.update(triton_graph_ms=_ms(lambda: tri(**a), True), grouped_mm_graph_ms=_ms(lambda: gmm(**a), True))
-        key = "triton_graph_ms" if graph else "triton_ms"
+        key = "triton_graph_ms" if graph and row.get("triton_graph_ms") else "triton_ms"
+        graph = key == "triton_graph_ms"
         best, best_cfg = row[key], "default"
         for cfg in MOE_SWEEP:
             try:
@@ -214,18 +240,83 @@ def section_moe(args, copy_gbps: float, mm_tflops: float) -> None:
                 say(f"  skipped {cfg}: {type(exc).__name__}")
                 continue
             if ms is not None and ms < best:
-                best, best_cfg = ms, "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
-                                                                    "num_stages"))
+                best, best_cfg = ms, _cfg_label(cfg)
         row.update(best_ms=best, best=best_cfg)
         rows.append(row)
         gmm_ms = row.get("grouped_mm_graph_ms") or row["grouped_mm_ms"]
         summary(f"MoE {t} tokens{' (graph replay)' if graph else ''}",
                 f"triton {row[key]:.3f} ms = {row[key] / floor:.2f}x floor ({best / floor:.2f}x best, {best_cfg}); "
-                f"grouped_mm {gmm_ms:.3f} ms; eager triton {row['triton_ms']:.3f} vs grouped_mm "
-                f"{row['grouped_mm_ms']:.3f}", "<= 1.3x floor at 256; <= grouped_mm")
+                f"grouped_mm {gmm_ms:.3f} ms ({row[key] / gmm_ms:.2f}x); eager triton {row['triton_ms']:.3f} vs "
+                f"grouped_mm {row['grouped_mm_ms']:.3f}", "<= 1.3x floor at 256; <= grouped_mm")
+        if t in (256, 2048):  # where the time goes: routing, alignment, the two GEMMs, the sum
+            row["kernels_ms"] = _per_kernel_ms(lambda: tri(**a))
+            say("  per kernel: " + ", ".join(f"{k} {v:.3f} ms" for k, v in row["kernels_ms"].items()))
         del a
         torch.cuda.empty_cache()
     RESULTS["moe"] = rows
+
+
+def _per_kernel_ms(fn, calls: int = 5) -> dict[str, float]:
+    """GPU time per kernel name and call (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {e.key[:48]: e.device_time_total / 1e3 / calls for e in prof.key_averages()
+             if e.device_type == torch.autograd.DeviceType.CUDA}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+TUNE_BLOCK_M = (16, 32, 64, 128)
+TUNE_GEMMS = [dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c)) for c in [
+    (16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3),
+    (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)]]
+
+
+def section_moe_tune(args, copy_gbps: float, mm_tflops: float) -> None:
+    """Per token count: each BLOCK_M near the rows per expert, then the gate/up GEMM's tiles with the
+    down GEMM's fixed, then the down GEMM's with the best gate/up: vLLM's per-size search, kept
+    short. Writes ``$OUT/moe_configs/<file>.json`` in the form ``kernels/moe_configs`` reads
+    (copy it there to make it the default on this device)."""
+    from kernels import moe_triton
+    tri = kernels.get("moe", "triton")
+    table, rows = {}, []
+    for t in MOE_SIZES:
+        a, nbytes, flops = bench.moe_workload(tokens=t)
+        floor = max(nbytes / copy_gbps / 1e6, flops / mm_tflops / 1e9)
+        graph = t <= 512
+        per_expert = t * bench.MOE["top_k"] / bench.MOE["experts"]
+        base = moe_triton.table_config(t * bench.MOE["top_k"], bench.MOE["experts"])
+        best, best_cfg = _ms(lambda: tri(**a, config=base), graph) or float("inf"), base
+        for block_m in [m for m in TUNE_BLOCK_M if m <= max(16, 2 * per_expert)]:  # 1 to 4 of them
+            cfg = dict(best_cfg, BLOCK_M=block_m)
+            for part in ("gate_up", "down"):
+                for gemm in TUNE_GEMMS:
+                    trial = dict(cfg, **{part: gemm})
+                    try:
+                        ms = _ms(lambda trial=trial: tri(**a, config=trial), graph)
+                    except Exception as exc:  # out of resources on this device
+                        say(f"  skipped {_cfg_label(trial)}: {type(exc).__name__}")
+                        continue
+                    if ms is not None and ms < best:
+                        best, best_cfg, cfg = ms, trial, trial
+        table[t] = best_cfg
+        rows.append(dict(tokens=t, floor_ms=floor, best_ms=best, config=best_cfg))
+        summary(f"MoE tuned {t} tokens{' (graph replay)' if graph else ''}",
+                f"{best:.3f} ms = {best / floor:.2f}x floor with {_cfg_label(best_cfg)}")
+        del a
+        torch.cuda.empty_cache()
+    RESULTS["moe_tune"] = rows
+    if os.environ.get("OUT"):
+        name = moe_triton.config_file_name(bench.MOE["experts"], bench.MOE["hidden"], bench.MOE["intermediate"],
+                                           "bfloat16", moe_triton.device_name(torch.device("cuda")))
+        path = Path(os.environ["OUT"]) / "moe_configs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({str(t): c for t, c in table.items()}, indent=1))
+        say(f"  wrote {path} (copy it to kernels/moe_configs/ to use it)")
 
 
 # ---------------------------------------------------------------- 5. the engine at Qwen3.6-35B-A3B dimensions
@@ -386,12 +477,14 @@ class Sizes:
 SMOKE = Sizes(graph_prompts=3, graph_tokens=4, decode_batch=3, prompt_len=20, num_prompts=4, input_len=16,
               output_len=4, full_output_len=6)
 SMOKE_MODELS = {"qwen3.6-35b-a3b": "tiny-hybrid", "qwen3.6-35b-a3b-dense": "tiny"}
-SECTIONS = ("checks", "graphs", "decode", "moe", "engine")
+SECTIONS = ("checks", "graphs", "decode", "moe", "moe-tune", "engine")
+DEFAULT_SECTIONS = ("checks", "graphs", "decode", "moe", "engine")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.gpu_report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma-separated, of {', '.join(SECTIONS)} (moe-tune: a longer MoE search, ~5 min)")
     p.add_argument("--model", default=MODELS[0], choices=MODELS,
                    help="the model of the graphs and engine sections (default: the hybrid one)")
     p.add_argument("--layers", type=int, default=40, help="engine section: how many of the model's layers")
@@ -417,7 +510,7 @@ def main(argv=None) -> int:
         say(f"## {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     from kernels.h200_report import ceilings
     copy_gbps = mm_tflops = None
-    if {"decode", "moe"} & set(sections):
+    if {"decode", "moe", "moe-tune"} & set(sections):
         copy_gbps, mm_tflops = ceilings()
         say(f"ceilings: copy {copy_gbps:.0f} GB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
         RESULTS["ceilings"] = dict(copy_gbps=copy_gbps, matmul_tflops=mm_tflops)
@@ -435,6 +528,8 @@ def main(argv=None) -> int:
                 section_decode(args, copy_gbps)
             elif name == "moe":
                 section_moe(args, copy_gbps, mm_tflops)
+            elif name == "moe-tune":
+                section_moe_tune(args, copy_gbps, mm_tflops)
             else:
                 section_engine(args)
         except Exception as exc:  # report and go on: the other sections still measure

@@ -12,7 +12,9 @@
    slot pool, updated in place). Its floor is the state bytes read and written (32 x 128 x 128 x 4
    bytes each way per sequence and layer) plus q, k, v, g, beta and o.
 4. Prefill: packed sequences; the floor is the same bytes (inputs, output, states once).
-5. Launch parameters of the two Triton kernels, best first.
+5. Where a chunked prefill spends its GPU time, kernel by kernel (torch.profiler).
+6. Launch parameters of the two Triton kernels, best first (``triton_chunk``: chunk, value block,
+   warps and stages of its scan, warps of its prepare kernel; "default" is what the op chooses).
 
 Each table prints as soon as it is done; the last stdout line is one JSON object, and with ``$OUT``
 set every measurement goes to ``$OUT/gdn_report.json`` too.
@@ -152,6 +154,12 @@ def prefill_table(rep: Report, setup: Setup, gbps: float, variants: list[str]) -
               ["sequences", "tokens each", "variant", "ms", "M tokens/s", "% floor"], rows)
 
 
+CHUNK_CONFIGS = [dict(chunk_size=c, block_v=b, num_warps=w, num_stages=st, prepare_warps=pw)
+                 for c, b, w, st, pw in [(64, 16, 4, 2, 4), (64, 32, 4, 2, 4), (64, 32, 8, 2, 4), (64, 16, 4, 1, 4),
+                                         (64, 64, 8, 2, 4), (32, 16, 4, 2, 4), (32, 32, 4, 2, 4), (64, 16, 4, 2, 8),
+                                         (64, 16, 4, 2, 2)]]
+
+
 def tuning(rep: Report, setup: Setup, gbps: float) -> None:
     rows, quick = [], setup.quick or setup.small
     args, nbytes, _ = setup.workload(setup.tuning_batch, 1)
@@ -161,20 +169,42 @@ def tuning(rep: Report, setup: Setup, gbps: float) -> None:
             ms = setup.time(lambda: rec(**args, block_v=block_v, num_warps=warps))
             rows.append([f"triton_recurrent decode {setup.tuning_batch}", f"block_v {block_v}, warps {warps}", ms,
                          f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
-    seqs, tokens = setup.tuning_prefill
-    args, nbytes, _ = setup.workload(seqs, tokens)
     chunk = kernels.get(OP, "triton_chunk")
-    for chunk_size in ([64] if quick else [32, 64]):
-        for block_v in ([32] if quick else [32, 64]):
-            for warps in ([4] if quick else [4, 8]):
-                ms = setup.time(lambda: chunk(**args, chunk_size=chunk_size, block_v=block_v, num_warps=warps))
-                rows.append([f"triton_chunk prefill {seqs} x {tokens}",
-                             f"chunk {chunk_size}, block_v {block_v}, warps {warps}",
-                             ms, f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
+    for seqs, tokens in [setup.tuning_prefill] + ([] if quick else [(1, 8192)]):
+        args, nbytes, _ = setup.workload(seqs, tokens)
+        for cfg in [{}] + (CHUNK_CONFIGS[:2] if quick else CHUNK_CONFIGS):
+            ms = setup.time(lambda: chunk(**args, **cfg))
+            label = "default" if not cfg else "chunk {chunk_size}, block_v {block_v}, warps {num_warps}, " \
+                "stages {num_stages}, prepare warps {prepare_warps}".format(**cfg)
+            rows.append([f"triton_chunk prefill {seqs} x {tokens}", label, ms,
+                         f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
     rows.sort(key=lambda r: (r[0], r[2] if r[2] is not None else float("inf")))
     for r in rows:
         rep.rows.append(dict(table="tuning", kernel=r[0], config=r[1], ms=r[2]))
     rep.table("Triton launch parameters (best first per kernel)", ["kernel", "parameters", "ms", "% floor"], rows)
+
+
+def breakdown(rep: Report, setup: Setup) -> None:
+    """GPU time of each kernel one chunked prefill launches (torch.profiler), so that the slower of
+    the parallel prepare and the sequential scan shows."""
+    from torch.profiler import ProfilerActivity, profile
+    chunk = kernels.get(OP, "triton_chunk")
+    rows = []
+    for seqs, tokens in setup.prefills:
+        args, _, _ = setup.workload(seqs, tokens)
+        chunk(**args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                chunk(**args)
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                ms = e.device_time_total / 1e3 / 5
+                rows.append([seqs, tokens, e.key[:60], ms])
+                rep.rows.append(dict(table="breakdown", seqs=seqs, tokens=tokens, kernel=e.key, ms=ms))
+    rep.table("triton_chunk prefill: GPU time per kernel (ms per call)", ["sequences", "tokens each", "kernel", "ms"],
+              sorted(rows, key=lambda r: (r[0], r[1], -r[3])))
 
 
 def main(argv=None) -> int:
@@ -204,6 +234,8 @@ def main(argv=None) -> int:
     timed = [v for v, ok in passed.items() if ok]
     decode_table(rep, setup, gbps, timed)
     prefill_table(rep, setup, gbps, timed)
+    if "triton_chunk" in timed and a.device == "cuda":
+        breakdown(rep, setup)
     if "triton_recurrent" in timed and "triton_chunk" in timed:
         tuning(rep, setup, gbps)
     path = a.json or (os.path.join(os.environ["OUT"], "gdn_report.json") if os.environ.get("OUT") else None)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import bench
-from kernels.moe_triton import _config
+from kernels.moe_triton import table_config
 from kernels.routing import align_block_size, route
 
 
@@ -154,7 +154,7 @@ MOE_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
 
 
 def moe_triton_block_m(tokens: int) -> int:
-    return _config(tokens * bench.MOE["top_k"], bench.MOE["experts"])["BLOCK_M"]
+    return table_config(tokens * bench.MOE["top_k"], bench.MOE["experts"])["BLOCK_M"]
 
 
 def moe_tables(rep, copy_gbps, mm_tflops, quick):

@@ -10,6 +10,10 @@ which waits on the device, so the whole MoE can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 
 from kernels import triton_env
@@ -135,6 +139,7 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, numel, cap, num_blocks,
         seen += tl.sum(match.to(tl.int32), 1)
 
 
+CONFIG_DIR = Path(__file__).with_name("moe_configs")
 ALIGN_ONE_PROGRAM_MAX = 16384  # pairs; above, the multi-launch torch alignment is faster
 
 
@@ -153,56 +158,164 @@ def route_triton(router_logits, top_k: int, renormalize: bool, shared_experts: i
     return weights, ids
 
 
-def align_triton(ids, num_experts: int, block_m: int):
-    """``routing.align_block_size`` (same outputs, same upper-bound sizes) in one launch."""
+def align_triton(ids, num_experts: int, block_m: int, used_blocks: int | None = None):
+    """``routing.align_block_size`` (same outputs, same upper-bound sizes) in one launch.
+    ``used_blocks`` (a bound of the blocks in use, :func:`used_blocks`) leaves the rows past them
+    unwritten: nothing reads them, and at decode sizes they are most of the buffer."""
     numel = ids.numel()
     cap = numel + num_experts * (block_m - 1)
     cap = (cap + block_m - 1) // block_m * block_m
     sorted_pairs = torch.empty(cap, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](ids, sorted_pairs, block_expert, numel, cap, cap // block_m, E=num_experts,
+    blocks = cap // block_m if used_blocks is None else min(used_blocks, cap // block_m)
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, numel, blocks * block_m, blocks, E=num_experts,
                         E_PAD=triton_env.pow2(num_experts), BLOCK_M=block_m, CHUNK=32, num_warps=8)
     return sorted_pairs, block_expert
 
 
-def _config(num_pairs: int, num_experts: int) -> dict:
-    """Launch configuration by rows per expert. Under one row per expert (decode of a few tokens) the
-    GEMMs stream weights: narrow N tiles give more programs to stream them with. Small row blocks
-    while experts see few tokens, larger when they see many."""
+def used_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound of the BLOCK_M-row blocks the aligned pairs fill: every expert's group comes
+    first, one after the other, with at most one partial block each."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+# Launch configurations by rows per expert (token-expert pairs / experts): (rows up to, BLOCK_M,
+# gate/up GEMM (BLOCK_N, BLOCK_K, num_warps, num_stages), down GEMM (same)). Below one row per expert
+# (decode of a few tokens) the GEMMs stream weights: narrow N tiles give more programs to stream
+# them with. Then 16-row blocks while experts see few rows, larger as they see more, as vLLM's
+# tuned H200 tables for experts of this size do. The gate/up GEMM holds two accumulators (gate and
+# up), so its BLOCK_N is half the weight columns of a vLLM tile of the same footprint.
+TABLE = [
+    (0.5, 16, (32, 128, 4, 4), (32, 128, 4, 4)),
+    (16, 16, (64, 128, 8, 3), (128, 128, 8, 3)),
+    (40, 32, (64, 64, 4, 3), (128, 64, 4, 3)),
+    (96, 64, (64, 64, 4, 3), (128, 64, 4, 3)),
+    (float("inf"), 128, (128, 64, 8, 3), (128, 64, 8, 3)),
+]
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def table_config(num_pairs: int, num_experts: int) -> dict:
+    """The built-in configuration for ``num_pairs`` token-expert pairs over ``num_experts`` experts:
+    ``{"BLOCK_M", "gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages}, "down": {...}}``."""
     per_expert = num_pairs / num_experts
-    if per_expert <= 0.5:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-    if per_expert <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    _, block_m, gate_up, down = next(row for row in TABLE if per_expert <= row[0])
+    return dict(BLOCK_M=block_m, gate_up=dict(zip(GEMM_KEYS, gate_up)), down=dict(zip(GEMM_KEYS, down)))
+
+
+def tuned_config(tokens: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                 device: torch.device) -> dict | None:
+    """A measured configuration for this expert shape on this device, when ``kernels/moe_configs``
+    has one (vLLM's scheme: one file per shape and device, keyed by token count; the nearest count
+    is used). ``python -m engine.gpu_report --sections moe-tune`` writes such files."""
+    name = device_name(device)
+    if name is None:
+        return None
+    table = _tuned_table(num_experts, hidden, inter, str(dtype).removeprefix("torch."), name)
+    if not table:
+        return None
+    return table[min(table, key=lambda t: abs(t - tokens))]
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str | None:
+    """The name tuned files carry (``NVIDIA_H200``), None off CUDA."""
+    return torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else None
+
+
+def config_file_name(num_experts: int, hidden: int, inter: int, dtype: str, device_name: str) -> str:
+    return f"E={num_experts},H={hidden},N={inter},dtype={dtype},device={device_name}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_table(num_experts, hidden, inter, dtype, device_name) -> dict[int, dict]:
+    path = CONFIG_DIR / config_file_name(num_experts, hidden, inter, dtype, device_name)
+    if not path.is_file():
+        return {}
+    return {int(t): cfg for t, cfg in json.loads(path.read_text()).items()}
+
+
+def gemm_shared(block_m: int, block_n: int, block_k: int, stages: int, elt: int, gated: bool) -> int:
+    """Shared memory of one GEMM program: the A tile and one (gated: two) weight tiles per buffered
+    stage, as Triton reports it: num_stages - 1 buffers, num_stages where 64-row tiles take Hopper's
+    warp-group MMA (counted for any device: an estimate on the high side)."""
+    buffers = stages if block_m >= 64 else max(1, stages - 1)
+    return buffers * (block_m * block_k + (2 if gated else 1) * block_k * block_n) * elt
+
+
+def fitting(gemm: dict, block_m: int, elt: int, gated: bool, limit: int) -> list[dict]:
+    """``gemm`` first, then the same with fewer stages, shorter K tiles, narrower N tiles, each
+    within ``limit`` bytes of shared memory: the configurations to try, best first."""
+    out = []
+    for n in sorted({gemm["BLOCK_N"]} | {b for b in (64, 32, 16) if b < gemm["BLOCK_N"]}, reverse=True):
+        for k in sorted({gemm["BLOCK_K"]} | {b for b in (64, 32) if b < gemm["BLOCK_K"]}, reverse=True):
+            for st in sorted({gemm["num_stages"]} | {b for b in (3, 2) if b < gemm["num_stages"]}, reverse=True):
+                if gemm_shared(block_m, n, k, st, elt, gated) <= limit:
+                    out.append(dict(gemm, BLOCK_N=n, BLOCK_K=k, num_stages=st))
+    return out or [dict(gemm, BLOCK_N=16, BLOCK_K=32, num_stages=1)]
+
+
+def launch_config(tokens, top_k, num_experts, hidden, inter, dtype, device, config=None) -> dict:
+    """The configuration a call runs with: ``config`` (flat keys apply to both GEMMs; ``gate_up``
+    and ``down`` hold either one's), over a tuned file's, over the built-in table's."""
+    cfg = tuned_config(tokens, num_experts, hidden, inter, dtype, device) or table_config(tokens * top_k,
+                                                                                           num_experts)
+    cfg = dict(BLOCK_M=cfg["BLOCK_M"], gate_up=dict(cfg["gate_up"]), down=dict(cfg["down"]))
+    if dtype not in (torch.float16, torch.bfloat16):
+        # float32 dots are exact (ieee) and run on the FMA units: every output element of a tile is
+        # a register of some thread, so tiles stay small enough not to spill
+        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 32)
+        for gemm in (cfg["gate_up"], cfg["down"]):
+            gemm["BLOCK_N"], gemm["BLOCK_K"] = min(gemm["BLOCK_N"], 64), min(gemm["BLOCK_K"], 64)
+    for key, value in (config or {}).items():
+        if key == "BLOCK_M":
+            cfg["BLOCK_M"] = value
+        elif key in ("gate_up", "down"):
+            cfg[key].update(value)
+        elif key in GEMM_KEYS:
+            cfg["gate_up"][key] = cfg["down"][key] = value
+        else:
+            raise ValueError(f"unknown MoE launch parameter {key!r}")
+    return cfg
+
+
+_LAUNCH = triton_env.FirstThatFits()
 
 
 def moe_triton(hidden_states, router_logits, w13, w2, top_k, renormalize=True, shared_experts=0, config=None):
-    """``config`` overrides the launch configuration (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    """``config`` overrides the launch configuration (see :func:`launch_config`); tiles that would
+    need more shared memory than the device has are narrowed (:func:`fitting`)."""
     tokens, hidden, num_experts, inter = check_moe(hidden_states, router_logits, w13, w2, top_k, shared_experts)
     weights, ids = route_triton(router_logits, top_k, renormalize, shared_experts)
     k = top_k + shared_experts
     num_pairs = tokens * k
-    cfg = {**_config(num_pairs, num_experts), **(config or {})}
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"], TOP_K=k, PRECISION=triton_env.dot_precision(hidden_states.dtype))
+    cfg = launch_config(tokens, k, num_experts, hidden, inter, hidden_states.dtype, hidden_states.device, config)
+    block_m = cfg["BLOCK_M"]
     x = hidden_states.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
+    bound = used_blocks(num_pairs, num_experts, block_m)
     if num_pairs <= ALIGN_ONE_PROGRAM_MAX:
-        pairs, block_expert = align_triton(ids, num_experts, block_m)
+        pairs, block_expert = align_triton(ids, num_experts, block_m, bound)
     else:
         pairs, block_expert = align_block_size(ids.long(), num_experts, block_m)
+    blocks = min(block_expert.numel(), bound)  # the GEMMs' grids: only blocks that can be in use
+    elt, limit = x.element_size(), triton_env.max_shared_mem(x.device)
+    common = dict(BLOCK_M=block_m, TOP_K=k, PRECISION=triton_env.dot_precision(hidden_states.dtype))
     act = x.new_empty(num_pairs, inter)
-    _grouped_gemm[(block_expert.numel(), triton.cdiv(inter, block_n))](
-        x, w13, act, pairs, block_expert, weights, num_pairs, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter,
-        GATED=True, A_IS_TOKENS=True, EVEN_K=hidden % launch["BLOCK_K"] == 0, **launch)
     y = x.new_empty(num_pairs, hidden)
-    _grouped_gemm[(block_expert.numel(), triton.cdiv(hidden, block_n))](
-        act, w2, y, pairs, block_expert, weights, num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), 0,
-        GATED=False, A_IS_TOKENS=False, EVEN_K=inter % launch["BLOCK_K"] == 0, **launch)
+
+    def gate_up(g):
+        _grouped_gemm[(blocks, triton.cdiv(inter, g["BLOCK_N"]))](
+            x, w13, act, pairs, block_expert, weights, num_pairs, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter,
+            GATED=True, A_IS_TOKENS=True, EVEN_K=hidden % g["BLOCK_K"] == 0, **g, **common)
+
+    def down(g):
+        _grouped_gemm[(blocks, triton.cdiv(hidden, g["BLOCK_N"]))](
+            act, w2, y, pairs, block_expert, weights, num_pairs, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), 0,
+            GATED=False, A_IS_TOKENS=False, EVEN_K=inter % g["BLOCK_K"] == 0, **g, **common)
+
+    _LAUNCH.launch(fitting(cfg["gate_up"], block_m, elt, True, limit), gate_up, key=(x.device, "gate_up", elt))
+    _LAUNCH.launch(fitting(cfg["down"], block_m, elt, False, limit), down, key=(x.device, "down", elt))
     return y.view(tokens, k, hidden).sum(dim=1)  # accumulates in float32, rounds once

@@ -32,9 +32,10 @@ def _online(q, k, v, m_i, l_i, acc, mask, PRECISION: tl.constexpr, MASKED: tl.co
 
 @triton.jit
 def _prefill_kernel(Q, Kn, Vn, Kc, Vc, BT, QSL, CTX, OUT, scale,
-                    sq0, sq1, skn0, skn1, svn0, svn1, skc0, skc1, skc2, skc3, svc0, svc1, svc2, svc3, sbt0,
+                    sq0, sq1, skn0, skn1, svn0, svn1, skc0, skc1, skc2, svc0, svc1, svc2, svc3, sbt0,
                     so0, so1,
-                    GROUP: tl.constexpr, HEAD: tl.constexpr, X: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    GROUP: tl.constexpr, HEAD: tl.constexpr, X: tl.constexpr, SKC3: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kvh = head // GROUP
@@ -59,7 +60,8 @@ def _prefill_kernel(Q, Kn, Vn, Kc, Vc, BT, QSL, CTX, OUT, scale,
             valid = n0 + j < ctx
             blk_ok = first < ctx  # whole blocks: the slots past ``ctx`` are read, then masked out
             blk = tl.load(BT + seq * sbt0 + col, mask=blk_ok, other=0).to(tl.int64)
-            k = tl.load(Kc + blk[None, :] * skc0 + kvh * skc1 + k_col[:, None] + slot[None, :] * skc3,
+            # SKC3 (x) a constant: each run of x head dims is known 16-byte aligned, K^T loads in vectors
+            k = tl.load(Kc + blk[None, :] * skc0 + kvh * skc1 + k_col[:, None] + slot[None, :] * SKC3,
                         mask=blk_ok[None, :], other=0.0)
             v = tl.load(Vc + blk[:, None] * svc0 + kvh * svc1 + d[None, :] * svc2 + slot[:, None] * svc3,
                         mask=blk_ok[:, None], other=0.0)
@@ -84,9 +86,34 @@ def _prefill_kernel(Q, Kn, Vn, Kc, Vc, BT, QSL, CTX, OUT, scale,
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD)[None, :])
 
 
+def prefill_shared(block_m: int, block_n: int, head: int, stages: int, elt: int) -> int:
+    """Shared memory of one program (bytes, on the high side): the query tile, K^T and V tiles per
+    pipeline stage, the probabilities as a dot operand."""
+    return (block_m * head + max(1, stages) * 2 * block_n * head + block_m * block_n) * elt + 2048
+
+
+def launch_configs(block_m: int, block_n: int, num_warps: int, num_stages: int, head: int, elt: int,
+                   block_size: int, device: torch.device) -> list[dict]:
+    """The tiles asked for, then fewer stages, shorter query tiles, narrower key tiles: those whose
+    shared memory fits the device, best first."""
+    out = []
+    for bn in [block_n] + [b for b in (32, 16) if b < block_n]:
+        if bn % block_size and block_size % bn:
+            continue
+        for bm in [block_m] + [b for b in (64, 32, 16) if b < block_m]:
+            for st in [num_stages] + [s for s in (1,) if s < num_stages]:
+                if bm % bn == 0 and prefill_shared(bm, bn, head, st, elt) <= triton_env.max_shared_mem(device):
+                    out.append(dict(block_m=bm, block_n=bn, num_warps=num_warps, num_stages=st))
+    return out or [dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)]
+
+
+_LAUNCH = triton_env.FirstThatFits()
+
+
 def prefix_prefill_triton(query, key, value, key_cache, value_cache, block_tables, query_start_loc, context_lens,
                           scale, block_m=128, block_n=64, num_warps=8, num_stages=2, max_query_len=None):
-    """``max_query_len`` (the most new tokens of any sequence) sizes the grid; by default read off the device."""
+    """``max_query_len`` (the most new tokens of any sequence) sizes the grid; by default read off the device.
+    Tiles whose shared memory the device lacks are narrowed (:func:`launch_configs`)."""
     block_size = _check(query, key, value, key_cache, value_cache, block_tables, query_start_loc, context_lens)
     num_tokens, num_heads, head = query.shape
     if head & (head - 1) or head < 16:
@@ -96,18 +123,27 @@ def prefix_prefill_triton(query, key, value, key_cache, value_cache, block_table
         raise ValueError(f"block_m {block_m} must be a multiple of block_n {block_n}, and block_n >= 16")
     if block_n % block_size and block_size % block_n:
         raise ValueError(f"block_n {block_n} and the cache's block size {block_size} must divide one another")
+    if key_cache.stride(4) != 1:
+        raise ValueError("the key cache's last dimension must be contiguous (vLLM's layout)")
     out = torch.empty_like(query)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
-    _prefill_kernel[grid](
-        query, key, value, key_cache, value_cache, block_tables, query_start_loc, context_lens, out, scale,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *key_cache.stride()[:4], *value_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // key.shape[1], HEAD=head, X=key_cache.shape[4], BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=triton_env.dot_precision(query.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+
+    def run(cfg):
+        grid = (num_seqs, num_heads, triton.cdiv(max_query_len, cfg["block_m"]))
+        _prefill_kernel[grid](
+            query, key, value, key_cache, value_cache, block_tables, query_start_loc, context_lens, out, scale,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *key_cache.stride()[:3], *value_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=num_heads // key.shape[1], HEAD=head, X=key_cache.shape[4], SKC3=key_cache.stride(3),
+            BLOCK_SIZE=block_size, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+            PRECISION=triton_env.dot_precision(query.dtype), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+
+    configs = launch_configs(block_m, block_n, num_warps, num_stages, head, query.element_size(), block_size,
+                             query.device)
+    _LAUNCH.launch(configs, run, key=(query.device, query.dtype, head, block_size))
     return out

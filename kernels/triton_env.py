@@ -1,11 +1,14 @@
-"""What the Triton variants share: interpreter fallback on machines without CUDA, dot precision.
+"""What the Triton variants share: interpreter fallback on machines without CUDA, dot precision,
+the device's limits that launch configurations are chosen against.
 
 Triton decides between compiling and interpreting a kernel when the kernel is defined, from
 TRITON_INTERPRET; import this module before defining one.
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import Callable
 
 import torch
 
@@ -24,6 +27,61 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: a few programs per op still exercise the split and reduce paths
+
+
+# An H200's (and H100's) shared memory per program, in bytes: what the interpreter plans for, so
+# that CPU tests choose the launch configurations a Hopper GPU would run.
+HOPPER_SHARED_MEM = 232448
+
+
+def max_shared_mem(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (the opt-in maximum per block), in bytes."""
+    if device.type != "cuda":
+        return HOPPER_SHARED_MEM
+    return _cuda_shared_mem(torch.device(device).index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_mem(index: int) -> int:
+    try:  # what Triton itself checks a compiled kernel against before launching it
+        from triton.runtime import driver
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # another driver layout: torch reads the same attribute
+        return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # older layouts
+    from triton.runtime.autotuner import OutOfResources  # type: ignore[no-redef]
+
+
+class FirstThatFits:
+    """Launches the first of several configurations, in order of preference, that the device accepts.
+
+    The configurations are chosen from estimates of their shared memory; should a compiled kernel
+    still need more than the device has (Triton raises ``OutOfResources`` before launching anything),
+    the next one is tried, and the one that ran is remembered (per list of configurations and
+    ``key``) so that later calls, and CUDA graph captures, go straight to it.
+    """
+
+    def __init__(self) -> None:
+        self.chosen: dict = {}
+
+    def launch(self, configs: list[dict], run: Callable[[dict], object], key=()):
+        if not configs:
+            raise ValueError("no launch configuration to try")
+        key = (key, tuple(tuple(sorted(c.items())) for c in configs))
+        first = self.chosen.get(key, 0)
+        for i in range(first, len(configs)):
+            try:
+                result = run(configs[i])
+            except OutOfResources:
+                if i == len(configs) - 1:
+                    raise
+                continue
+            self.chosen[key] = i
+            return result
 
 
 def pow2(n: int, floor: int = 1) -> int:

@@ -62,10 +62,32 @@ def test_decode_splits_follow_each_sequence_length(min_split):
         assert err < check.TOLERANCE[torch.float32], (bound, err)
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_whole_tiles_then_the_last_partial_one_in_block_pieces(block_size):
+    """64-token tiles: contexts ending on a tile edge, one or several cache blocks past it, inside a
+    block, and a single token; splits of 64 and 128 tokens so that several programs end mid-context."""
+    args = inputs.paged_decode([64, 113, 50, 1, 200], num_heads=4, num_kv_heads=2, head_size=16,
+                               block_size=block_size, seed=9)
+    fn = kernels.get("paged_decode", "v2_triton")
+    for min_split in (64, 128):
+        err = _error("paged_decode", functools.partial(fn, block_n=64, min_split=min_split), args)
+        assert err < check.TOLERANCE[torch.float32], (min_split, err)
+
+
+def test_decode_merges_more_splits_than_one_reduction_chunk_holds():
+    """63 splits of 16 tokens: the merge walks them 32 at a time."""
+    args = inputs.paged_decode([1000, 37], num_heads=4, num_kv_heads=1, head_size=16, block_size=8, seed=4)
+    fn = functools.partial(kernels.get("paged_decode", "v2_triton"), block_n=16, min_split=16, programs_per_sm=20)
+    from kernels.decode_triton import num_splits
+    assert num_splits(2, 1, args["block_tables"].shape[1] * 8, torch.device("cpu"), 16, 20) > 32
+    assert _error("paged_decode", fn, args) < check.TOLERANCE[torch.float32]
+
+
 def test_decode_split_count_fills_the_machine_and_respects_the_minimum_split():
     from kernels.decode_triton import num_splits
-    cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 16 programs wanted at 4 per SM
-    assert num_splits(1, 2, 4096, cpu, 256) == 8
+    cpu = torch.device("cpu")  # the interpreter counts 4 SMs: 32 programs wanted at 8 per SM
+    assert num_splits(1, 2, 4096, cpu, 256) == 16
+    assert num_splits(1, 2, 4096, cpu, 256, programs_per_sm=4) == 8
     assert num_splits(1, 2, 300, cpu, 256) == 2  # a 300-token bound fills 2 splits of 256
     assert num_splits(64, 2, 4096, cpu, 256) == 1
 
@@ -141,6 +163,14 @@ def test_one_launch_routing_and_alignment_match_the_torch_ones(tokens, experts, 
     pairs, block_expert = align_triton(ids, experts + shared, block_m)
     pairs0, block_expert0 = routing.align_block_size(ids0, experts + shared, block_m)
     assert torch.equal(pairs, pairs0) and torch.equal(block_expert, block_expert0)
+    # bounded to the blocks that can be in use: those rows and blocks alike, every live one inside
+    from kernels.moe_triton import used_blocks
+    n = used_blocks(ids.numel(), experts + shared, block_m)
+    assert int((block_expert0 >= 0).sum()) <= n
+    pairs_b, block_expert_b = align_triton(ids, experts + shared, block_m, n)
+    n = min(n, block_expert0.numel())
+    assert torch.equal(pairs_b[:n * block_m], pairs0[:n * block_m]) and torch.equal(block_expert_b[:n],
+                                                                                      block_expert0[:n])
 
 
 @pytest.mark.parametrize("variant", ["reference", "gather", "sorted", "triton"])
