@@ -3,7 +3,8 @@
 #   bash benchmarks/h200_main_job.sh start [run args]   # installs the wheels, starts the run detached, then polls
 #   bash benchmarks/h200_main_job.sh poll               # polls; send it again right after the last one returns
 # Each call polls `orchestrator status` until the run ends or POLL_SECONDS pass (default 540); once the run
-# has ended, the status JSON, the report (Markdown and PNG), the log and the database are written to $OUT.
+# the status JSON, the log and the database are written to $OUT after every poll, and the report (Markdown
+# and PNG) once the run has ended.
 # The machine keeps /tmp only while it stays up, so the calls must follow each other without a pause.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,11 +23,12 @@ fi
 deadline=$(( $(date +%s) + ${POLL_SECONDS:-540} ))
 while kill -0 "$(cat "$RUN/run.pid")" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
 orch status 2>&1 | tail -40
-if kill -0 "$(cat "$RUN/run.pid")" 2>/dev/null; then echo "RUNNING: send the poll command again now"; exit 0; fi
-echo "FINISHED"; tail -5 "$RUN/run.log"
-orch status --json > "$OUT/status.json"
-orch report --out "$RUN/report" > /dev/null 2>&1 && cp "$RUN"/report/*.md "$RUN"/report/*.png "$OUT/" 2>/dev/null
+# What the run has decided so far comes back with every poll, so a run cut short still leaves its figures.
+orch status --json > "$OUT/status.json" 2>/dev/null
 cp "$RUN/run.log" "$OUT/"
 python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
-  "$RUN/state/orchestrator.db" "$OUT/orchestrator.db"
+  "$RUN/state/orchestrator.db" "$OUT/orchestrator.db" 2>/dev/null
+if kill -0 "$(cat "$RUN/run.pid")" 2>/dev/null; then echo "RUNNING: send the poll command again now"; exit 0; fi
+echo "FINISHED"; tail -5 "$RUN/run.log"
+orch report --out "$RUN/report" > /dev/null 2>&1 && cp "$RUN"/report/*.md "$RUN"/report/*.png "$OUT/" 2>/dev/null
 ls -la "$OUT"

@@ -158,7 +158,8 @@ class EngineTarget(Target):
         return [
             {"name": "engine-correct", "role": "correctness", "timeout": self.config.correctness_timeout,
              "command": ["python", "-m", "orchestrator.probes.engine_correct",
-                         "--reference", str(self.reference_path), "--kernel-checks", checks]},
+                         "--reference", str(self.reference_path), "--kernel-checks", checks,
+                         *(["--compare-dtype", "float32"] if self.on_gpu() else [])]},
             self._serving([]),
         ]
 

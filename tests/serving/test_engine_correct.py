@@ -211,3 +211,22 @@ def test_passed_kernel_checks_are_remembered_per_kernel_source(tmp_path, monkeyp
     monkeypatch.setattr(engine_correct, "kernels_digest", lambda: "changed-source")
     rerun = engine_correct.KernelChecks(cfg, "auto", cache).run({"moe-dispatch": "sorted"})
     assert rerun[0].get("cached") is None and rerun[0]["passed"] and len(spawned) == 2
+
+
+def test_compare_dtype_runs_the_prompts_in_float32_and_checks_kernels_in_the_deployments(tmp_path, capsys,
+                                                                                          wrong_kernels):
+    """A bfloat16 deployment judged with --compare-dtype float32 (as the engine target asks on a GPU):
+    the reference is recorded in float32, the kernels are checked in bfloat16, and a wrong kernel
+    still fails."""
+    ref = tmp_path / "state" / "engine-reference.json"
+    good = config(tmp_path, "good", dtype="bfloat16")
+    rc, out = probe(capsys, "--reference", str(ref), "--config", good, "--compare-dtype", "float32",
+                    "--kernel-checks", "small", "--no-check-cache")
+    assert rc == 0 and out["passed"] and out["recorded"] and out["mode"] == "exact"  # float32 on the CPU
+    assert json.loads(ref.read_text())["dtype"] == "float32"
+    assert all(p["identical_token_fraction"] == 1.0 for p in out["passes"].values())
+    assert {c["dtype"] for c in out["kernel_checks"]} == {"bfloat16"}
+    bad = config(tmp_path, "bad", dtype="bfloat16", extra="attention-decode-long: off_by_constant\n")
+    rc, out = probe(capsys, "--reference", str(ref), "--config", bad, "--compare-dtype", "float32",
+                    "--kernel-checks", "none")
+    assert rc == 1 and out["passes"]["long_decode"]["early_divergence_fraction"] >= 6 / 14
