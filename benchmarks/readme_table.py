@@ -1,6 +1,6 @@
 """Fills README.md's per-plugin column "measured on the H200 engine" from a run's `orchestrator status --json`.
 
-    python -m benchmarks.readme_table benchmarks/h200-main-job/status.json [--readme README.md]
+    python -m benchmarks.readme_table benchmarks/h200-main-job/status-2026-12-03.json [--readme README.md]
 
 Each cell is that run's decision for the plugin: outcome, reason, gain with its interval and the pairs
 measured, so that the table is what the orchestrator decided, never typed by hand.
@@ -33,10 +33,11 @@ def cell(step: dict) -> str:
 
 
 def decisions(status: dict) -> dict[str, str]:
-    """The last attempt of each plugin in the run (a plugin with params has one step per candidate)."""
+    """The last attempt of each plugin in the run (a plugin with params has one step per candidate); a step
+    still being measured (no outcome yet) leaves its cell as it is."""
     cells: dict[str, str] = {}
     for step in status["steps"]:
-        if step.get("kind", "attempt") == "attempt":
+        if step.get("kind", "attempt") == "attempt" and step.get("outcome"):
             cells[step["plugin"]] = cell(step)
     return cells
 
