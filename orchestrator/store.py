@@ -228,7 +228,24 @@ class Reader:
         """A reader trusts SQLite to report damage in what it reads; a writer checks the whole file first."""
 
     def _connect(self) -> sqlite3.Connection:
+        self._roll_back_hot_journal()
         return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+
+    def _roll_back_hot_journal(self) -> None:
+        """A command killed while it created the database (before the switch to WAL) leaves a hot rollback
+        journal, which a read-only connection may not roll back (SQLITE_READONLY_ROLLBACK). Any read through a
+        writable connection rolls it back, as SQLite's own crash recovery; without write access the read-only
+        connection then names the file."""
+        if not Path(f"{self.path}-journal").exists():
+            return
+        try:
+            conn = sqlite3.connect(self.path, timeout=10)
+            try:
+                conn.execute("PRAGMA schema_version").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError:
+            pass
 
     def _as_current(self) -> None:
         """Show an older database as the current schema: a temporary view named like the table hides it."""

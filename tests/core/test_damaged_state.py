@@ -153,3 +153,33 @@ def test_a_database_stopped_while_it_was_created(tmp_path):
     assert project.cli("recover", check=0).stdout.strip() == "nothing to recover"
     project.cli("run", check=0)
     assert project.outcomes() == {"speedup": ("kept", None)}
+
+
+HOT_JOURNAL = """
+import os, sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("PRAGMA journal_mode=DELETE")
+conn.execute("PRAGMA cache_size=1")  # pages spill into the file mid-transaction, the journal holds their old images
+conn.execute("BEGIN")
+conn.execute("CREATE TABLE filler (x BLOB)")
+for _ in range(200):
+    conn.execute("INSERT INTO filler VALUES (?)", [os.urandom(4000)])
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_database_killed_while_created_is_rolled_back_not_refused(tmp_path):
+    """A command killed while it created the database, before the switch to WAL, leaves a hot rollback journal;
+    the next command's read-only look at the history must let SQLite roll it back (it used to fail with
+    SQLITE_READONLY_ROLLBACK), and the run goes on from an empty history."""
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    db = project.state / "orchestrator.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-c", HOT_JOURNAL, str(db)], timeout=60)
+    assert Path(f"{db}-journal").stat().st_size > 0
+    status = project.cli("status")
+    assert "no runs recorded yet" in status.stderr and "Traceback" not in status.stderr, status.stderr
+    recover = project.cli("recover")
+    assert recover.returncode == 0 and "Traceback" not in recover.stderr, (recover.stdout, recover.stderr)
+    project.cli("run", check=0)
+    assert not Path(f"{db}-journal").exists()
