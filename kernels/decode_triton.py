@@ -13,6 +13,7 @@ import torch
 
 from kernels import triton_env
 from kernels.decode_torch import _check
+from kernels.prefill_triton import _online
 
 import triton  # noqa: E402  (after triton_env: see its docstring)
 import triton.language as tl  # noqa: E402
@@ -34,27 +35,19 @@ def _tile(q, k_base, v_base, bt_row, n0, end, j, k_off, v_off, m_i, l_i, acc, sk
     V [BLOCK_N, HEAD] gathered through the block table. Unmasked, every token is in the context;
     MASKED (a context's last, partial tile) reads only its blocks and zeroes the slots past ``end``."""
     col, slot, first = triton_env.paged_tile(n0, j, BLOCK_N, BLOCK_SIZE)
+    valid = n0 + j < end  # used only when MASKED
     if MASKED:
         blk_ok = first < end  # whole blocks: within them the slots past ``end`` are read, then dropped
         blk = tl.load(bt_row + col, mask=blk_ok, other=0).to(tl.int64)
         k = tl.load(k_base + blk[None, :] * sk0 + k_off[:, None] + slot[None, :] * SK3, mask=blk_ok[None, :],
                     other=0.0)
         v = tl.load(v_base + blk[:, None] * sv0 + v_off[None, :] + slot[:, None], mask=blk_ok[:, None], other=0.0)
-        valid = n0 + j < end
         v = tl.where(valid[:, None], v, 0.0)  # unwritten slots may hold NaN, and 0 * NaN is NaN
     else:
         blk = tl.load(bt_row + col).to(tl.int64)
         k = tl.load(k_base + blk[None, :] * sk0 + k_off[:, None] + slot[None, :] * SK3)
         v = tl.load(v_base + blk[:, None] * sv0 + v_off[None, :] + slot[:, None])
-    s = tl.dot(q, k, input_precision=PRECISION)
-    if MASKED:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
+    return _online(q, k, v, m_i, l_i, acc, valid[None, :], PRECISION, MASKED)
 
 
 @triton.jit
