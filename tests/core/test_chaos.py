@@ -64,10 +64,12 @@ def chaos_project(path):
 
 
 def check_recovered(project, original) -> None:
-    if not (project.state / "orchestrator.db").exists():  # killed before it recorded anything
+    path = project.state / "orchestrator.db"
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True) if path.exists() else None
+    if db is None or not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'runs'").fetchone():
+        # killed before it recorded anything (or while it created the database, rolled back by recover)
         assert state_images(project.target) == original
         return
-    db = sqlite3.connect(f"file:{project.state / 'orchestrator.db'}?mode=ro", uri=True)
     assert db.execute("SELECT COUNT(*) FROM runs WHERE status = 'running'").fetchone() == (0,)
     assert db.execute("SELECT COUNT(*) FROM steps WHERE state != 'done'").fetchone() == (0,)
     db.close()
