@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -483,6 +484,12 @@ async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
 # ---------------------------------------------------------------- command line
 
 
+def pin(cpus: set[int]) -> None:
+    """Every thread of this process, and those it starts later, on ``cpus`` only."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.server",
                                      description=__doc__.split("\n\n")[0])
@@ -496,9 +503,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="larger request bodies are answered 413")
     parser.add_argument("--max-prompts-per-request", type=int, default=MAX_PROMPTS,
                         help="a batch of more prompts is answered 400")
+    parser.add_argument("--cpu-affinity", type=int, nargs="+", metavar="CPU",
+                        help="run on these CPUs only (Linux): the staging loop puts both servers of a simultaneous "
+                             "comparison on one core, which interleaves them finely")
     args = parser.parse_args(argv)
     if args.max_request_bytes < 1 or args.max_prompts_per_request < 1:
         parser.error("--max-request-bytes and --max-prompts-per-request must be at least 1")
+    if args.cpu_affinity:
+        try:
+            pin(set(args.cpu_affinity))
+        except (OSError, AttributeError) as exc:
+            parser.error(f"--cpu-affinity {' '.join(map(str, args.cpu_affinity))}: {exc}")
     # the engine logs its kernel choices and cache size at INFO: the first thing to read in a server log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -43,14 +43,14 @@ class Restack:
         return step_id
 
     def compare(self, step_id: int, policy: Policy, name: str, without: set[str]) -> Verdict:
-        """Interleaved pairs whatever the plugins' mode; the target ends as deployed, with no live server up,
+        """Pairs (simultaneous or interleaved) whatever the plugins' mode; the target ends as deployed, with no live server up,
         whatever happens. `without`: the kept plugins the compared state lacks."""
         policy = policy.model_copy(update={"interleave": True})
         deployed = list(self.deployment.rows())
         self.measurer.hold([p for p in deployed if p not in without], deployed)
         try:
-            return self.measurer.interleaved(step_id, policy, name, lambda: self.journal.show(step_id, "post"),
-                                             lambda: self.journal.show(step_id, "pre"))
+            return self.measurer.paired(step_id, policy, name, lambda: self.journal.show(step_id, "post"),
+                                        lambda: self.journal.show(step_id, "pre"))
         finally:
             self.journal.show(step_id, "pre")
             self.measurer.release()

@@ -185,6 +185,17 @@ class Stager:
         self.store.set_step(step_id, state="checking")
         kept = list(self.deployment.rows())
         self.measurer.hold(kept, [*kept, plugin.id])
+        ignored, failed = self.measurer.unchanged(step_id, name)
+        if failed:
+            spec, out = failed
+            return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
+        if ignored is not None:
+            return self.no_effect(plugin, variant, step_id, policy, ignored)
+        if earlier := self.measurer.judged_like(step_id):
+            other, other_step, reason = earlier
+            return self.roll_back(plugin, variant, step_id, reason,
+                                  f"runs what {other} ran (step {other_step}; the configuration probes read the same), "
+                                  f"which was rolled back as {reason} against this same kept state: not measured again")
         failed = self.measurer.failed_correctness(step_id, "candidate", name)
         if failed:
             spec, out = failed
@@ -202,8 +213,21 @@ class Stager:
         outcome, reason = decide.outcome(verdict.decision, vetoes, policy)
         if outcome == "rolled_back":
             detail = "; ".join(vetoes) if reason == "guardrail" else describe(verdict.decision)
+            self.measurer.remember(step_id, name, reason)
             return self.roll_back(plugin, variant, step_id, reason, detail)
         return self.candidate(verdict, reason)
+
+    def no_effect(self, plugin: Plugin, variant: Variant, step_id: int, policy, ignored: dict[str, str]) -> None:
+        """The candidate changes nothing the target runs here (its configuration probes read what the last kept
+        state's read): no measurement could tell them apart but by noise, so it is rolled back as no_gain unmeasured,
+        with what the target said it ignores."""
+        why = "; ".join(f"{k}: {v}" for k, v in ignored.items())
+        note = ("no effect here: the configuration probes read the same effective configuration as on the last "
+                "kept state" + (f" (ignored: {why})" if why else ""))[:1500]
+        d = decide.Decision("no_gain", None, rule="configuration", notes=[note], min_gain=policy.min_gain)
+        self.measurer.record(Verdict(step_id, d), policy)
+        self.store.set_step(step_id, state="deciding")
+        return self.roll_back(plugin, variant, step_id, "no_gain", describe(d))
 
     def probe_failed(self, plugin: Plugin, variant: Variant, step_id: int, name: str, spec: ProbeSpec,
                      out: ProbeResult, detail: str) -> None:

@@ -34,8 +34,11 @@ from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
 class StateServer:
     """At most one live server, of the state on disk; started on demand by `aim`."""
 
-    def __init__(self, run: RunContext):
+    def __init__(self, run: RunContext, simultaneous: bool = False):
         self.run = run
+        # one arm of a simultaneous comparison (Target.simultaneous_arms): its server has read its state at
+        # start, so it is not stopped when the state on disk changes, only by `stop`
+        self.simultaneous = simultaneous
         self.target = run.project.target
         # only the target's own probes know how to talk to its server: a user's probes start what they start
         own = run.project.config.probes is None
@@ -46,7 +49,8 @@ class StateServer:
         self._mark = ""
         self._since = 0.0
         self._end: Callable[[], None] | None = None
-        run.journal.watch(self.stop)
+        if not simultaneous:
+            run.journal.watch(self.stop)
 
     def serves(self, spec: ProbeSpec) -> bool:
         """Whether `spec` talks to the live server (else it runs with none alive)."""
@@ -69,7 +73,8 @@ class StateServer:
         self.what, self._step_id = f"live server ({arm})", step_id
         self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
         server = self.target.live_server(marked_env(env, self._mark),
-                                         label=log_name(f"run{self.run.run_id}", label, arm))
+                                         label=log_name(f"run{self.run.run_id}", label, arm),
+                                         simultaneous=self.simultaneous)
         self.run.reporter.phase(label, f"starting the {self.what}")
         server.start()  # ServerFailed("crashed") when the command cannot be started: nothing runs then
         self.server = server

@@ -240,7 +240,8 @@ def judge_output(role: str, objective: str | None, result: ProcessResult, timeou
     """Apply the probe protocol to a finished process: it fails closed.
 
     A correctness probe passes only on exit 0 with a result line (the last stdout line that is a JSON object)
-    whose `passed` is literally `true`; a throughput probe needs exit 0 and a finite number at `objective`.
+    whose `passed` is literally `true`; a throughput probe needs exit 0 and a finite number at `objective`; a
+    configuration probe, exit 0 and a result line with a `configuration` key.
     """
     if result.launch_error:
         return ProbeResult(False, "probe_failed", result.launch_error, process=result)
@@ -265,6 +266,11 @@ def judge_output(role: str, objective: str | None, result: ProcessResult, timeou
         if _has_object_line(result.stderr_tail):
             note += "; a JSON line on stderr does not count"
         return ProbeResult(False, failed, note, process=result)
+    if role == "configuration":
+        if "configuration" not in metrics:
+            return ProbeResult(False, "probe_failed", 'its JSON result line has no "configuration" key', metrics,
+                               process=result)
+        return ProbeResult(True, None, "read", metrics, process=result)
     if role == "correctness":
         if "passed" not in metrics:
             return ProbeResult(False, "incorrect", 'its JSON result line has no "passed" key', metrics, process=result)

@@ -40,6 +40,9 @@ WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
 # pair's sample (the staging loop's A B, B A order) finds none of them in its prefix cache.
 PAIR_STRIDE = 10_000_019
 PAIR_ENV = "ORCHESTRATOR_PAIR"
+# The instant (seconds since the epoch) at which a sample's measured window begins: the staging loop gives both
+# samples of a simultaneous pair the same one (orchestrator.measure).
+START_AT_ENV = "ORCHESTRATOR_START_AT"
 
 
 class ProbeError(Exception):
@@ -159,9 +162,11 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
 
 
 async def drive(base_url: str, model: str, workload: Workload, request_timeout: float,
-                cpu_clock: Callable[[], float | None] = lambda: None) -> tuple[list[Outcome], float, float | None]:
-    """Sends the whole workload; returns each request's outcome, the wall time and the CPU seconds
-    ``cpu_clock`` advanced over that same window (None when it cannot tell)."""
+                cpu_clock: Callable[[], float | None] = lambda: None,
+                start_at: float | None = None) -> tuple[list[Outcome], float, float | None]:
+    """Sends the whole workload, from the wall-clock instant ``start_at`` if given (after one test
+    request); returns each request's outcome, the wall time and the CPU seconds ``cpu_clock`` advanced
+    over that same window (None when it cannot tell)."""
     url = f"{base_url}/v1/completions"
     requests, delays = workload.requests(), workload.delays()
     limit = workload.max_concurrency or len(requests)
@@ -171,6 +176,8 @@ async def drive(base_url: str, model: str, workload: Workload, request_timeout: 
         first = await send(client, url, model, *requests[0])
         if not first.success:
             raise ProbeError(f"the initial test request failed: {first.error}")
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu_start = cpu_clock()
         start = time.perf_counter()
 
@@ -332,6 +339,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pair", type=int, default=None,
                    help=f"the sample's pair index: the workload's seed is offset by {PAIR_STRIDE} per pair "
                         f"(default: ${PAIR_ENV}, else 0)")
+    p.add_argument("--start-at", type=float, default=None, metavar="EPOCH",
+                   help="begin the measured window at this wall-clock instant (seconds since the epoch), so that "
+                        f"two probes measure at the same time (default: ${START_AT_ENV}, else at once)")
     p.add_argument("--windows", type=int, default=1,
                    help="measured passes on the one server, each from its own prompts; the best is reported")
     p.add_argument("--best-of", default="score", choices=["score", "cpu_score", "output_throughput"],
@@ -357,6 +367,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--token-id-range needs 0 <= LOW < HIGH")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         p.error("--request-rate and --max-concurrency must be positive")
+    if args.start_at is None and (value := os.environ.get(START_AT_ENV, "").strip()):
+        try:
+            args.start_at = float(value)
+        except ValueError:
+            p.error(f"${START_AT_ENV} must be a number of seconds since the epoch, got {value!r}")
     if args.pair is None:
         value = os.environ.get(PAIR_ENV, "").strip() or "0"
         try:
@@ -401,12 +416,14 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
 
 
 async def measure_window(base_url: str, model: str, workload: Workload, args: argparse.Namespace,
-                         server: LiveServer | None) -> dict:
-    """One measured pass of ``workload``: `vllm bench serve`'s fields, the score, CPU figures."""
+                         server: LiveServer | None, start_at: float | None = None) -> dict:
+    """One measured pass of ``workload`` (from ``start_at``, when given): `vllm bench serve`'s fields, the
+    score, CPU figures."""
     hits_before = await prefix_cache_hits(base_url)
     clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
     outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout,
-                                          clock.cpu_seconds if clock is not None else lambda: None)
+                                          clock.cpu_seconds if clock is not None else lambda: None, start_at)
+    lag = time.time() - duration - start_at if start_at is not None else None
     ok = [o for o in outcomes if o.success]
     if ok and all(o.cached_tokens is not None for o in ok):
         cached, source = sum(o.cached_tokens for o in ok), "usage"
@@ -422,6 +439,8 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
                    "output_len": workload.output_len,
                    "shared_prefix_fraction": workload.shared_prefix_fraction,
                    "seed": workload.seed, "cached_tokens_source": source})
+    if lag is not None:
+        result["start_lag_seconds"] = lag  # how late after the agreed instant the window began
     return with_cpu(with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight)), cpu)
 
 
@@ -453,7 +472,7 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
     windows = []
     for i in range(args.windows):
         windows.append(await measure_window(base_url, model, replace(workload, seed=seed + WINDOW_STRIDE * i),
-                                            args, server))
+                                            args, server, args.start_at if i == 0 else None))
         if failure(windows[-1], args.max_failed_fraction):
             break  # a failing server is reported as it is, not retried into a pass
     failed = next((w for w in windows if failure(w, args.max_failed_fraction)), None)

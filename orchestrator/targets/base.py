@@ -47,10 +47,18 @@ class Target:
         """Probe specs (as in orchestrator.yaml) used when the config lists none."""
         return []
 
-    def live_server(self, env: dict[str, str] | None = None, label: str = "server") -> "LiveServer | None":
+    def live_server(self, env: dict[str, str] | None = None, label: str = "server",
+                    simultaneous: bool = False) -> "LiveServer | None":
         """An unstarted server of the target's current state that several default probes can share
-        (see ``probes_against``); None when the default probes start nothing shareable."""
+        (see ``probes_against``); None when the default probes start nothing shareable. `simultaneous`:
+        it will be measured at the same time as a server of another state (``simultaneous_arms``)."""
         return None
+
+    def simultaneous_arms(self) -> bool:
+        """Whether the staging loop may measure a candidate and the last kept state at the same time, each on
+        a live server of its own: only where a started server has read all of its state (so it serves that
+        state whatever is on disk later) and two servers can share the machine fairly (a CPU, not one GPU)."""
+        return False
 
     def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
         """The default probes that talk to a server, aimed at one already running at ``base_url``

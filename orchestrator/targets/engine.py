@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import io
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,16 @@ SERVER_MODULE = "engine.server"  # `python -m engine.server --config FILE --host
 def shipped_baseline() -> Path:
     """The seed deployment's serve config, shipped inside the engine package."""
     return Path(str(importlib.resources.files("engine").joinpath("configs", "baseline.yaml")))
+
+
+def shared_cpu() -> int | None:
+    """The core both servers of a simultaneous comparison run on: the first this process may use, leaving
+    the others to the probes' clients; None where affinity cannot be set or only one core is there."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    return cpus[0] if len(cpus) > 1 else None
 
 
 def server_argv(config: str, host: str, port: int | str) -> list[str]:
@@ -76,6 +87,10 @@ class EngineTargetConfig(TargetConfig):
     # but not the server's CPU time). Default: cpu_score on a CPU, score on a GPU.
     objective: Literal["score", "cpu_score"] | None = None
     cpu_threads: int = Field(1, ge=1)  # torch threads of the probes' engines on a CPU: fixed, not racing
+    # Measure a candidate and the last kept state at the same time, their two servers on one core
+    # (interleaved by the OS every few milliseconds, so both see the same machine): default on a CPU,
+    # where the cores' speed drifts by 10-20% within seconds. Never on a GPU (one card, one server).
+    simultaneous_arms: bool | None = None
     kernel_checks: Literal["full", "small", "none"] | None = None  # default: small on CPU, full on GPU
     correctness_timeout: float = Field(900, gt=0)
     serving_timeout: float = Field(1800, gt=0)
@@ -151,11 +166,14 @@ class EngineTarget(Target):
                               f"setup ({what}); use another state folder (--state) or remove that one")
 
     def default_probes(self) -> list[dict[str, Any]]:
-        """The correctness probe (engines of its own, in-process: it needs the device to itself), then the
-        serving benchmark, which starts `python -m engine.server` of the workspace config unless aimed at a
+        """The configuration probe (what the engine would run here, engine.effective: a candidate that changes
+        none of it is not measured), the correctness probe (engines of its own, in-process: it needs the device
+        to itself), then the serving benchmark, which starts `python -m engine.server` of the workspace config unless aimed at a
         running one (``probes_against``)."""
         checks = self.config.kernel_checks or ("full" if self.on_gpu() else "small")
         return [
+            {"name": "engine-config", "role": "configuration", "timeout": self.config.correctness_timeout,
+             "command": ["python", "-m", "engine.effective", "--config", str(self.workspace / SERVE_CONFIG)]},
             {"name": "engine-correct", "role": "correctness", "timeout": self.config.correctness_timeout,
              "command": ["python", "-m", "orchestrator.probes.engine_correct",
                          "--reference", str(self.reference_path), "--kernel-checks", checks,
@@ -176,11 +194,21 @@ class EngineTarget(Target):
                             "--windows", str(w.windows), "--best-of", self.objective,
                             *(["--warmup"] if w.warmup else [])]}
 
-    def live_server(self, env: dict[str, str] | None = None, label: str = "server") -> LiveServer:
+    def live_server(self, env: dict[str, str] | None = None, label: str = "server",
+                    simultaneous: bool = False) -> LiveServer:
         """An unstarted engine server of the workspace's serve config (a free port on 127.0.0.1), its log
-        kept under the state folder."""
+        kept under the state folder; for a simultaneous comparison, pinned to the one core both arms share
+        (the engine reads its serve config and loads its code at start, so it serves that state however the
+        workspace changes afterwards)."""
         argv = server_argv(str(self.workspace / SERVE_CONFIG), "{host}", "{port}")
+        if simultaneous and (cpu := shared_cpu()) is not None:
+            argv += ["--cpu-affinity", str(cpu)]
         return LiveServer(argv, env=env, log_dir=self.server_logs, log_label=label)
+
+    def simultaneous_arms(self) -> bool:
+        if self.config.simultaneous_arms is not None:
+            return self.config.simultaneous_arms and not self.on_gpu()
+        return not self.on_gpu()
 
     def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
         """The serving benchmark aimed at an engine server running at ``base_url`` (with its pid: the

@@ -1,7 +1,8 @@
-"""The engine target staged by the real CLI with its default probes: one engine server per state, shared by
-the serving samples of that state, and never alive beside another engine server or the engine's
-correctness probe (which runs engines of its own). Instrumented by device_guard/sitecustomize.py: each
-engine server and correctness probe holds one exclusive lock for its whole life."""
+"""The engine target staged by the real CLI with its default probes, one arm at a time (as on a GPU): one
+engine server per state, shared by the serving samples of that state, and never alive beside another engine
+server or the engine's correctness probe (which runs engines of its own). Instrumented by
+device_guard/sitecustomize.py: each engine server and correctness probe holds one exclusive lock for its
+whole life."""
 from __future__ import annotations
 
 import json
@@ -23,11 +24,15 @@ target:
   num_layers: 1
   kernel_checks: none
   objective: cpu_score
+  simultaneous_arms: false
   workload: {num_prompts: 8, input_len: 32, output_len: 16, max_concurrency: 8}
 plugins: plugins
 state: state
-policy: {rule: first, repeats: 2, interleave: true, min_gain: 0.3}
+policy: {rule: stat, min_pairs: 2, max_pairs: 2, interleave: true, min_gain: 0, on_inconclusive: keep}
 """
+# The test is about servers, not the judge: two pairs always, and the candidate (eight times the batch) kept
+# unless its two pairs both lose by far (the interval of two pairs is wide), so the CPU's noise cannot change
+# which servers start.
 PLUGIN = """\
 id: wider-batch
 description: eight sequences per step instead of one

@@ -1,0 +1,91 @@
+"""What the engine would run for a serve config on this machine: its effective configuration.
+
+Two serve configs that differ only in keys the engine ignores here (``gpu-memory-utilization`` on a
+CPU, a Triton variant that falls back to the same torch kernel, a long-decode kernel that no
+sequence can reach below ``max-model-len``) run the same computation, so measuring one against
+the other measures noise. The orchestrator's configuration probe compares this output for the
+candidate and the last kept state and rolls back, unmeasured, a change that makes no difference
+(docs/probes.md). Kernel variants are chosen exactly as at start-up (the self-checks of
+``engine.kernel_choice``), on small inputs and without weights.
+
+    python -m engine.effective --config serve.yaml
+    {"configuration": {...}, "ignored": {"gpu-memory-utilization": "..."}}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig, load_config
+
+SCHEDULING = ("max-num-seqs", "max-num-batched-tokens", "block-size", "max-model-len", "seed")
+
+
+def effective(config: EngineConfig) -> dict[str, Any]:
+    """``configuration``: every setting that changes what runs here, kernel keys resolved to the variant
+    used; ``ignored``: each serve-config key left out of it, with why."""
+    import kernels
+    from engine.kernel_choice import keys_for, select_kernels
+    from engine.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY
+
+    device, dtype = config.torch_device(), config.torch_dtype()
+    raw = config.as_dict()
+    out: dict[str, Any] = {"model": asdict(config.hf), "device": device.type,
+                           "dtype": str(dtype).removeprefix("torch."), "prefix-caching": config.prefix_caching}
+    out.update({k: raw[k.replace("-", "_")] for k in SCHEDULING})
+    ignored: dict[str, str] = {}
+    if config.enable_prefix_caching and not config.prefix_caching:
+        ignored["enable-prefix-caching"] = "a hybrid model caches no prefix"
+
+    if device.type == "cuda" and config.kv_cache_memory is None:
+        out["gpu-memory-utilization"] = config.gpu_memory_utilization
+    else:
+        out["kv-cache-memory"] = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        ignored["gpu-memory-utilization"] = ("the cache is sized by kv-cache-memory" if device.type == "cuda"
+                                             else f"the cache is sized by kv-cache-memory on {device.type}")
+    if device.type == "cuda":
+        out["cuda-graphs"] = config.cuda_graphs
+    else:
+        ignored["cuda-graphs"] = f"CUDA graphs do not run on {device.type}"
+
+    choice = select_kernels(config, device, dtype).choice
+    for key in keys_for(config.hf):
+        chain = config.chain(key)
+        out[key] = choice[key]
+        if chain != [choice[key]]:
+            ignored[key] = f"{' -> '.join(chain)} runs {choice[key]} here"
+    if config.decode_long_threshold >= config.max_model_len:
+        del out["attention-decode-long"]
+        ignored["attention-decode-long"] = ignored["decode-long-threshold"] = (
+            f"decode-long-threshold {config.decode_long_threshold} >= max-model-len {config.max_model_len}: "
+            "no decode is long")
+    else:
+        out["decode-long-threshold"] = config.decode_long_threshold
+    out["prefill-block-m"] = config.prefill_block_m
+    if kernels.uses_triton("prefix_prefill", choice["attention-prefill"]):
+        out["prefill-block-n"], out["prefill-num-warps"] = config.prefill_block_n, config.prefill_num_warps
+    else:
+        ignored["prefill-block-n"] = ignored["prefill-num-warps"] = f"{choice['attention-prefill']} prefill uses neither"
+    return {"configuration": out, "ignored": ignored}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.effective", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="serve config YAML")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(json.dumps({"error": str(exc)}))
+        return 2
+    print(json.dumps(effective(config), sort_keys=True, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

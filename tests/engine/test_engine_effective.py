@@ -1,0 +1,91 @@
+"""engine.effective: two serve configs run the same computation exactly when their effective configurations are
+equal; keys that change nothing here are listed as ignored, with why."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.config import load_config
+from engine.effective import effective
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = {**yaml.safe_load((REPO / "engine" / "configs" / "baseline.yaml").read_text()), "device": "cpu"}
+
+
+def run(change: dict, base: dict = BASE) -> tuple[dict, dict]:
+    return effective(load_config(base))["configuration"], effective(load_config({**base, **change}))
+
+
+@pytest.fixture(autouse=True)
+def _no_interpreter(monkeypatch):
+    import kernels
+    monkeypatch.setattr(kernels, "INTERPRET_REQUESTED", False)
+
+
+@pytest.mark.parametrize("change, ignored", [
+    ({"gpu-memory-utilization": 0.95}, "gpu-memory-utilization"),  # the CPU cache is sized by kv-cache-memory
+    ({"attention-decode-long": "v2", "decode-long-threshold": 4096}, "attention-decode-long"),  # none is long
+    ({"attention-decode": ["v2_triton", "v1"]}, "attention-decode"),  # Triton does not run on a CPU
+    ({"rms-norm": ["triton", "torch"], "qk-norm-rope": ["triton", "torch"]}, "rms-norm"),
+    ({"prefill-block-n": 128, "prefill-num-warps": 4}, "prefill-block-n"),  # the loop prefill uses neither
+    ({"cuda-graphs": True}, "cuda-graphs"),
+])
+def test_changes_that_run_nothing_different_here_are_equal(change, ignored):
+    base, cand = run(change)
+    assert cand["configuration"] == base
+    assert ignored in cand["ignored"] and cand["ignored"][ignored]
+
+
+@pytest.mark.parametrize("change, key, values", [
+    ({"max-num-seqs": 256}, "max-num-seqs", (1, 256)),
+    ({"attention-prefill": ["triton", "pregather"]}, "attention-prefill", ("loop", "pregather")),
+    ({"moe-dispatch": "sorted"}, "moe-dispatch", ("gather", "sorted")),
+    ({"kv-cache-memory": 1 << 28}, "kv-cache-memory", (1 << 30, 1 << 28)),
+    ({"num-layers": 3}, "model", None),
+])
+def test_changes_that_run_something_else_differ(change, key, values):
+    base, cand = run(change)
+    assert cand["configuration"] != base
+    if values:
+        assert (base[key], cand["configuration"][key]) == values
+
+
+def test_the_long_decode_kernel_counts_once_a_decode_can_be_long():
+    long_ctx = {**BASE, "decode-long-threshold": 1024}  # decodes past 1K of the 4K max-model-len are long
+    base, cand = run({"attention-decode-long": "v2"}, long_ctx)
+    assert (base["attention-decode-long"], cand["configuration"]["attention-decode-long"]) == ("v1", "v2")
+    base, cand = run({"decode-long-threshold": 65536}, long_ctx)  # those decodes leave the long path
+    assert "attention-decode-long" not in cand["configuration"] and cand["configuration"] != base
+
+
+def test_a_hybrid_model_ignores_prefix_caching_and_resolves_its_gated_deltanet_kernels():
+    hybrid = {**BASE, "model": "tiny-hybrid"}
+    base, cand = run({"enable-prefix-caching": False}, hybrid)
+    assert cand["configuration"] == base and base["prefix-caching"] is False
+    assert base["gdn-prefill"] == "chunk" and base["gdn-decode"] == "recurrent"
+    assert "gdn-prefill" not in effective(load_config(BASE))["configuration"]
+
+
+def test_the_command_prints_one_result_line_and_names_a_bad_key(tmp_path):
+    good = tmp_path / "serve.yaml"
+    good.write_text(yaml.safe_dump({**BASE, "gpu-memory-utilization": 0.5}))
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "engine.effective", "--config", str(good)], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["configuration"] == effective(load_config(BASE))["configuration"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max-num-seqs: lots\n")
+    before = bad.read_bytes()
+    out = subprocess.run([sys.executable, "-m", "engine.effective", "--config", str(bad)], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
+    assert str(bad) in error and "max-num-seqs" in error
+    assert bad.read_bytes() == before

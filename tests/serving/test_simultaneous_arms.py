@@ -1,0 +1,129 @@
+"""Simultaneous arms on the CPU engine target, through the real CLI: one live server per arm, both alive for the
+whole comparison and pinned to one shared core, a warm-up pair first, and each pair's two serving probes
+measuring at the same time from one agreed instant."""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import load
+from serving_support import REPO, alive_with
+
+CONFIG = """\
+target:
+  kind: engine
+  workspace: ws
+  device: cpu
+  num_layers: 1
+  kernel_checks: none
+  workload: {num_prompts: 8, input_len: 32, output_len: 16, max_concurrency: 8}
+plugins: plugins
+state: state
+policy: {rule: stat, min_pairs: 2, max_pairs: 2, interleave: true, min_gain: 0, on_inconclusive: keep}
+"""
+PLUGIN = """\
+id: wider-batch
+description: eight sequences per step instead of one
+targets: [engine]
+apply:
+  - yaml_set: {path: "${serve_config}", key: max-num-seqs, value: 8}
+    root: serve
+"""
+
+
+def query(folder: Path, sql: str) -> list[dict]:
+    db = sqlite3.connect(folder / "state" / "orchestrator.db")
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute(sql).fetchall()]
+    finally:
+        db.close()
+
+
+def test_both_arms_are_measured_at_once_on_servers_that_live_through_the_comparison(tmp_path):
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG)
+    (tmp_path / "plugins" / "wider-batch").mkdir(parents=True)
+    (tmp_path / "plugins" / "wider-batch" / "plugin.yaml").write_text(PLUGIN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
+    assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
+
+    procs = query(tmp_path, "SELECT coalesce(s.plugin, 'baseline') AS plugin, p.what, p.started, p.ended "
+                            "FROM processes p LEFT JOIN steps s ON s.id = p.step_id ORDER BY p.id")
+    servers = [(p["plugin"], p["what"]) for p in procs if p["what"].startswith("live server")]
+    # the baseline's samples share one server; each comparison starts one per arm, the candidate's first
+    assert servers == [("baseline", "live server (baseline)"),
+                       ("wider-batch", "live server (candidate)"), ("wider-batch", "live server (baseline)"),
+                       ("(final)", "live server (candidate)"), ("(final)", "live server (baseline)")]
+    for plugin in ("wider-batch", "(final)"):
+        mine = [p for p in procs if p["plugin"] == plugin]
+        cand, base = (next(p for p in mine if p["what"] == f"live server ({arm})") for arm in ("candidate", "baseline"))
+        probes = [p for p in mine if p["what"].startswith("probe serving (")]
+        assert len(probes) == 6  # a warm-up pair and two judged pairs, one probe per arm each
+        # both servers were up before the first probe and stopped after the last
+        assert max(cand["started"], base["started"]) < min(p["started"] for p in probes)
+        assert min(cand["ended"], base["ended"]) >= max(p["ended"] for p in probes)
+
+    samples = query(tmp_path, "SELECT s.plugin, m.arm, m.repeat, m.metrics FROM measurements m "
+                              "JOIN steps s ON s.id = m.step_id WHERE m.probe = 'serving' ORDER BY m.id")
+    for plugin in ("wider-batch", "(final)"):
+        by_pair: dict[int, dict[str, dict]] = {}
+        for m in samples:
+            if m["plugin"] == plugin:
+                by_pair.setdefault(m["repeat"], {})[m["arm"]] = json.loads(m["metrics"])
+        assert sorted(by_pair) == [0, 1, 100]
+        assert set(by_pair[100]) == {"candidate warm-up", "baseline warm-up"}  # fresh servers' first pair
+        del by_pair[100]
+        for pair, arms in by_pair.items():
+            cand, base = arms["candidate"], arms["baseline"]
+            assert cand["pair"] == base["pair"] == pair and cand["seed"] == base["seed"]  # the same prompts
+            # each window began at the agreed instant, give or take the event loop
+            assert 0 <= cand["start_lag_seconds"] < 0.5 and 0 <= base["start_lag_seconds"] < 0.5
+            assert cand["cpu_score"] > 0 and base["cpu_score"] > 0
+            assert cand["base_url"] != base["base_url"]
+    logs = sorted((tmp_path / "state" / "server-logs").glob("run1-wider-batch-*.log"))
+    if len(os.sched_getaffinity(0)) > 1:
+        first = min(os.sched_getaffinity(0))
+        assert all(f"--cpu-affinity {first}" in log.read_text().splitlines()[0] for log in logs)
+    assert alive_with(str(tmp_path)) == []
+    assert query(tmp_path, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores to mean anything")
+def test_a_simultaneous_engine_server_runs_every_thread_on_the_shared_core(tmp_path):
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG)
+    (tmp_path / "plugins").mkdir()
+    project = load(tmp_path / "orchestrator.yaml")
+    target = project.target
+    target.prepare()
+    assert target.simultaneous_arms()
+    server = target.live_server(simultaneous=True).start()
+    try:
+        server.wait_healthy(300)
+        tids = os.listdir(f"/proc/{server.pid}/task")
+        assert len(tids) > 1  # the engine thread and the HTTP loop at least
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in tids} == {frozenset({min(os.sched_getaffinity(0))})}
+    finally:
+        server.stop()
+    plain = target.live_server()
+    assert "--cpu-affinity" not in plain.argv
+
+
+def test_simultaneous_arms_are_off_on_a_gpu_and_where_the_config_says_so(tmp_path):
+    (tmp_path / "plugins").mkdir()
+    for extra, expected in (("", True), ("  simultaneous_arms: false\n", False),
+                            ("  simultaneous_arms: true\n", True)):
+        (tmp_path / "orchestrator.yaml").write_text(CONFIG.replace("  device: cpu\n", f"  device: cpu\n{extra}"))
+        assert load(tmp_path / "orchestrator.yaml").target.simultaneous_arms() is expected
+    gpu = CONFIG.replace("device: cpu", "device: cuda")
+    (tmp_path / "orchestrator.yaml").write_text(gpu.replace("  device: cuda\n", "  device: cuda\n  simultaneous_arms: true\n"))
+    assert load(tmp_path / "orchestrator.yaml").target.simultaneous_arms() is False
