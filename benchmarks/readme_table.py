@@ -1,6 +1,8 @@
-"""Fills README.md's per-plugin column "measured on the H200 engine" from a run's `orchestrator status --json`.
+"""Fills a per-plugin column of README.md ("measured on the H200 engine" unless `--column` names another) from
+a run's `orchestrator status --json`.
 
     python -m benchmarks.readme_table benchmarks/h200-main-job/status-2026-12-03.json [--readme README.md]
+    python -m benchmarks.readme_table benchmarks/cpu-main-job/status.json --column "decided on the CPU"
 
 Each cell is that run's decision for the plugin: outcome, reason, gain with its interval and the pairs
 measured, so that the table is what the orchestrator decided, never typed by hand.
@@ -23,6 +25,8 @@ def cell(step: dict) -> str:
     outcome, reason, decision = step["outcome"], step.get("reason"), step.get("decision") or {}
     if outcome == "skipped":
         return f"skipped: {reason}"
+    if decision.get("rule") == "configuration":
+        return f"rolled back: {reason}, unmeasured: runs what the kept state runs"
     if not decision or decision.get("n_candidate") is None:
         return f"{outcome.replace('_', ' ')}: {reason}" if reason else outcome.replace("_", " ")
     interval = ""
@@ -42,10 +46,10 @@ def decisions(status: dict) -> dict[str, str]:
     return cells
 
 
-def fill(readme: str, cells: dict[str, str]) -> str:
+def fill(readme: str, cells: dict[str, str], column: str = COLUMN) -> str:
     lines = readme.splitlines(keepends=True)
-    header = next(i for i, ln in enumerate(lines) if ln.startswith("|") and COLUMN in ln)
-    index = [c.strip() for c in lines[header].strip().strip("|").split("|")].index(COLUMN)
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("|") and column in ln)
+    index = [c.strip() for c in lines[header].strip().strip("|").split("|")].index(column)
     for i in range(header + 2, len(lines)):
         if not lines[i].startswith("|"):
             break
@@ -61,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.readme_table", description=__doc__.splitlines()[0])
     p.add_argument("status", type=Path)
     p.add_argument("--readme", type=Path, default=Path("README.md"))
+    p.add_argument("--column", default=COLUMN, help=f"the column's header (default: {COLUMN!r})")
     args = p.parse_args(argv)
     cells = decisions(json.loads(args.status.read_text()))
-    args.readme.write_text(fill(args.readme.read_text(), cells))
+    args.readme.write_text(fill(args.readme.read_text(), cells, args.column))
     print(f"{len(cells)} plugins filled in {args.readme}")
     return 0
 

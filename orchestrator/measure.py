@@ -3,6 +3,7 @@ reused baseline samples) until the judge decides. The caller switches the images
 the target."""
 from __future__ import annotations
 
+import os
 import queue
 import statistics
 import time
@@ -29,9 +30,10 @@ PAIR_ENV = "ORCHESTRATOR_PAIR"
 START_AT_ENV = "ORCHESTRATOR_START_AT"
 SIMULTANEOUS_LEAD = 3.0
 # Fresh servers run their first window slower, and not alike (first-use allocations, lazy imports): both arms'
-# servers serve one pair of their own prompts (this pair index, which no judged pair reaches) before the first
-# judged pair, stored as warm-up samples.
+# servers serve one pair of their own prompts (this pair index plus the judged pairs before it, which no judged
+# pair reaches) before their first judged pair, stored as warm-up samples.
 WARM_UP_PAIR = MAX_SAMPLES
+SERVERS_EVERY = 3  # judged pairs per pair of servers in a simultaneous comparison (Measurer.start_arms)
 
 
 class BaselineFailed(Exception):
@@ -362,10 +364,11 @@ class Measurer:
         """Pairs until the judge decides, both samples of a pair measured at the same time: the candidate's
         live server is started on its state (on disk when this is called), the last kept state's on its own,
         and then each pair runs the throughput probes of both arms at once, their windows starting at one
-        agreed instant (START_AT_ENV), while the two servers share one core (Target.simultaneous_arms). The
-        OS then interleaves them every few milliseconds, so a core whose speed drifts by 10-20% within
-        seconds slows both alike, where samples taken one after the other each catch their own drift
-        (BENCHMARKS.md). The two servers serve every pair, and are stopped at the end."""
+        agreed instant (START_AT_ENV), while the two servers share one core and the probes run on the others
+        (Target.simultaneous_arms, probe_cpus). The OS then interleaves the servers every few milliseconds, so
+        a core whose speed drifts by 10-20% within seconds slows both alike, where samples taken one after the
+        other each catch their own drift (BENCHMARKS.md). Both servers are replaced every SERVERS_EVERY pairs,
+        each new pair of them warmed up by a pair of its own, and stopped at the end."""
         self.server.stop()
         servers = {"candidate": StateServer(self.run, simultaneous=True),
                    "baseline": StateServer(self.run, simultaneous=True)}
@@ -373,21 +376,10 @@ class Measurer:
         base: list[Sample] = []
         cand: list[Sample] = []
         try:
-            for arm, show in (("candidate", None), ("baseline", show_base)):
-                if show is not None:
-                    show()
-                spec = next(s for s in self.throughput if servers[arm].serves(s))
-                started = time.monotonic()
-                try:
-                    servers[arm].aim(spec, self.env(spec, arm, 0, name), step_id, arm, name)
-                except ServerFailed as e:
-                    out = self.server_failed(spec, e, step_id, arm, 0, time.monotonic() - started)
-                    raise ArmFailed(out.reason or "probe_failed", f"{arm} arm, probe {spec.name}: {failure(out)}",
-                                    spec, out) from None
-            show_cand()
-            self.pair(step_id, WARM_UP_PAIR, name, servers, warm_up=True)
             while True:
                 n = len(base)
+                if n % SERVERS_EVERY == 0:
+                    self.start_arms(step_id, n, name, servers, show_base, show_cand)
                 samples = self.pair(step_id, n, name, servers)
                 cand.append(samples["candidate"])
                 base.append(samples["baseline"])
@@ -397,6 +389,28 @@ class Measurer:
         finally:
             for server in servers.values():
                 server.stop()
+
+    def start_arms(self, step_id: int | None, n: int, name: str, servers: dict[str, StateServer],
+                   show_base: Callable[[], None], show_cand: Callable[[], None]) -> None:
+        """Fresh servers for both arms (the candidate's first, on its state on disk; then the last kept state's),
+        and their warm-up pair. Two processes of one config differ by a few percent for their whole life (where
+        the OS put their memory, say: 4% in an A/A test, BENCHMARKS.md), so the servers are replaced every
+        SERVERS_EVERY pairs, and that difference varies between the pairs instead of biasing them all."""
+        for server in servers.values():
+            server.stop()
+        for arm, show in (("candidate", None), ("baseline", show_base)):
+            if show is not None:
+                show()
+            spec = next(s for s in self.throughput if servers[arm].serves(s))
+            started = time.monotonic()
+            try:
+                servers[arm].aim(spec, self.env(spec, arm, n, name), step_id, arm, name)
+            except ServerFailed as e:
+                out = self.server_failed(spec, e, step_id, arm, n, time.monotonic() - started)
+                raise ArmFailed(out.reason or "probe_failed", f"{arm} arm, probe {spec.name}: {failure(out)}",
+                                spec, out) from None
+        show_cand()
+        self.pair(step_id, WARM_UP_PAIR + n, name, servers, warm_up=True)
 
     def pair(self, step_id: int | None, n: int, plugin: str, servers: dict[str, StateServer],
              warm_up: bool = False) -> dict[str, Sample]:
@@ -437,8 +451,15 @@ class Measurer:
         events: queue.Queue = queue.Queue()
         record = self.run.recorder(step_id)
 
+        cpus = self.run.project.target.probe_cpus()
+
         def launch(arm: str, command: list[str], env: dict[str, str]) -> ProcessResult:
             def on_start(pid: int, create_time: float):
+                if cpus:
+                    try:  # just started: one thread, whose later ones inherit this
+                        os.sched_setaffinity(pid, cpus)
+                    except OSError:
+                        pass
                 events.put(("start", arm, pid, create_time))
                 return lambda: events.put(("end", arm, None, None))
             return run_process(command, self.run.project.base_dir, env, spec.timeout, on_start=on_start,

@@ -54,6 +54,11 @@ class Target:
         it will be measured at the same time as a server of another state (``simultaneous_arms``)."""
         return None
 
+    def probe_cpus(self) -> set[int] | None:
+        """The CPUs the probes of a simultaneous pair run on (None: wherever the OS puts them): kept off the
+        core the two servers share, whose every other user would slow them unevenly."""
+        return None
+
     def simultaneous_arms(self) -> bool:
         """Whether the staging loop may measure a candidate and the last kept state at the same time, each on
         a live server of its own: only where a started server has read all of its state (so it serves that

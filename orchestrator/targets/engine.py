@@ -205,6 +205,11 @@ class EngineTarget(Target):
             argv += ["--cpu-affinity", str(cpu)]
         return LiveServer(argv, env=env, log_dir=self.server_logs, log_label=label)
 
+    def probe_cpus(self) -> set[int] | None:
+        if (cpu := shared_cpu()) is None:
+            return None
+        return set(os.sched_getaffinity(0)) - {cpu}
+
     def simultaneous_arms(self) -> bool:
         if self.config.simultaneous_arms is not None:
             return self.config.simultaneous_arms and not self.on_gpu()

@@ -41,3 +41,22 @@ def test_cells_come_from_the_decisions_and_other_rows_stay(tmp_path):
                     "`beta`": "rolled back: inconclusive, +38.3% [-4.7%, +100.5%], 5 pairs",
                     "`gamma`": "skipped: not_applicable", "`delta`": "old d", "`untouched`": "old e"}
     assert readme.read_text().endswith("text | with a bar\n")
+
+
+def test_another_column_and_the_unmeasured_decisions(tmp_path):
+    text = README.replace("| plugin | on the engine | measured on the H200 engine |",
+                          "| plugin | decided on the CPU | measured on the H200 engine |")
+    status = {"run": {}, "baseline": {}, "steps": [
+        step("alpha", "rolled_back", "no_gain", None, {"rule": "configuration", "n_candidate": 0}),
+        step("beta", "rolled_back", "regressed"),  # the same change as an earlier candidate: no decision row
+    ]}
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    assert readme_table.main([str(tmp_path / "status.json"), "--readme", str(readme),
+                              "--column", "decided on the CPU"]) == 0
+    rows = {line.split("|")[1].strip(): (line.split("|")[2].strip(), line.split("|")[3].strip())
+            for line in readme.read_text().splitlines() if line.startswith("| `")}
+    assert rows["`alpha`"] == ("rolled back: no_gain, unmeasured: runs what the kept state runs", "old a")
+    assert rows["`beta`"] == ("rolled back: regressed", "old b")
+    assert rows["`gamma`"] == ("c", "old c")
