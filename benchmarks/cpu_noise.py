@@ -9,6 +9,11 @@ steady machine; its spread over many windows is the noise a paired comparison of
 - one core: A and B at the same time, both pinned to one core (the OS interleaves them every few ms).
 
     python -m benchmarks.cpu_noise [--window 2.5] [--pairs 12]
+
+With ``--engine-aa SERVE.yaml``: an A/A test of the staging loop's simultaneous pairs instead, two engine
+servers of that one config pinned to one core and the serving probe (the CPU main job's workload) run on both
+at once, from one instant, ``--pairs`` times, with the probes on the other cores or (``--probes-anywhere``)
+wherever the OS puts them; prints each pair's log ratio of cpu_score.
 """
 from __future__ import annotations
 
@@ -58,14 +63,54 @@ def pair(mode: str, window: float, cpus: list[int]) -> float:
     return math.log(result(pa) / result(pb))
 
 
+def engine_aa(config: str, pairs: int, cpus: list[int], probes_anywhere: bool) -> list[float]:
+    from orchestrator.probes.live_server import LiveServer
+    from orchestrator.targets.engine import CPU_WORKLOAD, server_argv
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    w = CPU_WORKLOAD
+    servers = [LiveServer(server_argv(config, "{host}", "{port}") + ["--cpu-affinity", str(cpus[0])], env=env)
+               for _ in range(2)]
+    logs = []
+    try:
+        for server in servers:
+            server.start().wait_healthy(300)
+        for n in range(pairs):
+            start = time.time() + 3
+            procs = [subprocess.Popen([sys.executable, "-m", "orchestrator.probes.serving", "--base-url", s.url,
+                                       "--server-pid", str(s.pid), "--num-prompts", str(w.num_prompts),
+                                       "--input-len", str(w.input_len), "--output-len", str(w.output_len),
+                                       "--max-concurrency", str(w.max_concurrency), "--pair", str(n),
+                                       "--start-at", f"{start:.3f}"], stdout=subprocess.PIPE, text=True)
+                     for s in servers]
+            if not probes_anywhere:
+                for proc in procs:
+                    os.sched_setaffinity(proc.pid, set(cpus[1:]))
+            scores = [json.loads(proc.communicate()[0].strip().splitlines()[-1])["cpu_score"] for proc in procs]
+            logs.append(math.log(scores[0] / scores[1]))
+            print(f"| {n} | {logs[-1]:+.3f} |", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    return logs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_noise", description=__doc__.split("\n\n")[0])
     p.add_argument("--window", type=float, default=2.5, help="seconds of work per sample")
     p.add_argument("--pairs", type=int, default=12)
+    p.add_argument("--engine-aa", metavar="SERVE.yaml", help="an A/A test of two engine servers of this config")
+    p.add_argument("--probes-anywhere", action="store_true", help="with --engine-aa: the probes not pinned")
     args = p.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         p.error("needs two cores")
+    if args.engine_aa:
+        print("| pair | log(cpu_score A / B) |\n|---|---|")
+        logs = engine_aa(args.engine_aa, args.pairs, cpus, args.probes_anywhere)
+        print(f"\nsd {statistics.stdev(logs):.3f}, mean {statistics.mean(logs):+.3f}; from the third pair on: "
+              f"sd {statistics.stdev(logs[2:]):.3f}, mean {statistics.mean(logs[2:]):+.3f}")
+        return 0
     print(f"| pairing ({args.pairs} pairs, {args.window:g} s windows) | sd of log(A/B) | mean |")
     print("|---|---|---|")
     for mode in ("sequential", "two cores", "one core"):

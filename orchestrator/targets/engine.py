@@ -72,6 +72,14 @@ GPU_WORKLOAD = Workload(num_prompts=8, input_len=8400, shared_prefix_fraction=0.
 GPU_MAX_MODEL_LEN = 16384
 
 
+# glibc's allocator on a CPU, fixed: freed memory up to 32 MiB a block is kept and reused, not unmapped and
+# faulted in again. Left to adapt its thresholds, it made the kernel's page faults 5-30% of a server's CPU time,
+# varying from window to window and config to config (what PyTorch's CPU guides advise jemalloc or tcmalloc
+# for): two servers of one config differed by 4.4% per simultaneous pair that way, by 0.6% this way
+# (the spread of the log ratio, BENCHMARKS.md).
+CPU_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
 class EngineTargetConfig(TargetConfig):
     kind: Literal["engine"] = "engine"
     workspace: str | None = None  # default: <state>/engine
@@ -136,7 +144,7 @@ class EngineTarget(Target):
         if self.on_gpu():
             return {}
         threads = str(self.config.cpu_threads)
-        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **CPU_ALLOCATOR}
 
     def prepare(self) -> None:
         serve = self.workspace / SERVE_CONFIG
