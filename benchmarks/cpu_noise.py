@@ -13,7 +13,8 @@ steady machine; its spread over many windows is the noise a paired comparison of
 With ``--engine-aa SERVE.yaml``: an A/A test of the staging loop's simultaneous pairs instead, two engine
 servers of that one config pinned to one core and the serving probe (the CPU main job's workload) run on both
 at once, from one instant, ``--pairs`` times, with the probes on the other cores or (``--probes-anywhere``)
-wherever the OS puts them; prints each pair's log ratio of cpu_score.
+wherever the OS puts them, and glibc's allocator fixed as the engine target fixes it on a CPU or
+(``--default-allocator``) as it comes; prints each pair's log ratio of cpu_score.
 """
 from __future__ import annotations
 
@@ -63,11 +64,12 @@ def pair(mode: str, window: float, cpus: list[int]) -> float:
     return math.log(result(pa) / result(pb))
 
 
-def engine_aa(config: str, pairs: int, cpus: list[int], probes_anywhere: bool) -> list[float]:
+def engine_aa(config: str, pairs: int, cpus: list[int], probes_anywhere: bool, default_allocator: bool) -> list[float]:
     from orchestrator.probes.live_server import LiveServer
-    from orchestrator.targets.engine import CPU_WORKLOAD, server_argv
+    from orchestrator.targets.engine import CPU_ALLOCATOR, CPU_WORKLOAD, server_argv
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           **({} if default_allocator else CPU_ALLOCATOR)}
     w = CPU_WORKLOAD
     servers = [LiveServer(server_argv(config, "{host}", "{port}") + ["--cpu-affinity", str(cpus[0])], env=env)
                for _ in range(2)]
@@ -101,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=12)
     p.add_argument("--engine-aa", metavar="SERVE.yaml", help="an A/A test of two engine servers of this config")
     p.add_argument("--probes-anywhere", action="store_true", help="with --engine-aa: the probes not pinned")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="with --engine-aa: glibc's allocator as it comes, not the engine target's CPU_ALLOCATOR")
     args = p.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         p.error("needs two cores")
     if args.engine_aa:
         print("| pair | log(cpu_score A / B) |\n|---|---|")
-        logs = engine_aa(args.engine_aa, args.pairs, cpus, args.probes_anywhere)
+        logs = engine_aa(args.engine_aa, args.pairs, cpus, args.probes_anywhere, args.default_allocator)
         print(f"\nsd {statistics.stdev(logs):.3f}, mean {statistics.mean(logs):+.3f}; from the third pair on: "
               f"sd {statistics.stdev(logs[2:]):.3f}, mean {statistics.mean(logs[2:]):+.3f}")
         return 0

@@ -25,6 +25,8 @@ def cell(step: dict) -> str:
     outcome, reason, decision = step["outcome"], step.get("reason"), step.get("decision") or {}
     if outcome == "skipped":
         return f"skipped: {reason}"
+    if (step.get("detail") or "").startswith("runs what "):
+        return f"rolled back: {reason}, unmeasured: the same change as `{step['detail'].split()[2]}`"
     if decision.get("rule") == "configuration":
         return f"rolled back: {reason}, unmeasured: runs what the kept state runs"
     if not decision or decision.get("n_candidate") is None:

@@ -48,7 +48,9 @@ def test_another_column_and_the_unmeasured_decisions(tmp_path):
                           "| plugin | decided on the CPU | measured on the H200 engine |")
     status = {"run": {}, "baseline": {}, "steps": [
         step("alpha", "rolled_back", "no_gain", None, {"rule": "configuration", "n_candidate": 0}),
-        step("beta", "rolled_back", "regressed"),  # the same change as an earlier candidate: no decision row
+        step("beta", "rolled_back", "regressed"),
+        {**step("delta", "rolled_back", "inconclusive"),  # the same change as an earlier candidate
+         "detail": "runs what alpha ran (step 3; the configuration probes read the same), which was rolled back"},
     ]}
     (tmp_path / "status.json").write_text(json.dumps(status))
     readme = tmp_path / "README.md"
@@ -59,4 +61,5 @@ def test_another_column_and_the_unmeasured_decisions(tmp_path):
             for line in readme.read_text().splitlines() if line.startswith("| `")}
     assert rows["`alpha`"] == ("rolled back: no_gain, unmeasured: runs what the kept state runs", "old a")
     assert rows["`beta`"] == ("rolled back: regressed", "old b")
+    assert rows["`delta`"] == ("rolled back: inconclusive, unmeasured: the same change as `alpha`", "old d")
     assert rows["`gamma`"] == ("c", "old c")
