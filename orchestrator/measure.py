@@ -393,8 +393,8 @@ class Measurer:
     def start_arms(self, step_id: int | None, n: int, name: str, servers: dict[str, StateServer],
                    show_base: Callable[[], None], show_cand: Callable[[], None]) -> None:
         """Fresh servers for both arms (the candidate's first, on its state on disk; then the last kept state's),
-        and their warm-up pair. Two processes of one config differ by a few percent for their whole life (where
-        the OS put their memory, say: 4% in an A/A test, BENCHMARKS.md), so the servers are replaced every
+        and their warm-up pair. Two processes of one config can differ by a percent or more for their whole life
+        (where the OS put their memory, say; an A/A test, BENCHMARKS.md), so the servers are replaced every
         SERVERS_EVERY pairs, and that difference varies between the pairs instead of biasing them all."""
         for server in servers.values():
             server.stop()
@@ -450,7 +450,6 @@ class Measurer:
         and end (the store belongs to this thread), and the run's heartbeat goes on meanwhile."""
         events: queue.Queue = queue.Queue()
         record = self.run.recorder(step_id)
-
         cpus = self.run.project.target.probe_cpus()
 
         def launch(arm: str, command: list[str], env: dict[str, str]) -> ProcessResult:
