@@ -75,8 +75,8 @@ GPU_MAX_MODEL_LEN = 16384
 # glibc's allocator on a CPU, fixed: freed memory up to 32 MiB a block is kept and reused, not unmapped and
 # faulted in again. Left to adapt its thresholds, it made the kernel's page faults 5-30% of a server's CPU time,
 # varying from window to window and config to config (what PyTorch's CPU guides advise jemalloc or tcmalloc
-# for): two servers of one config differed by 4.4% per simultaneous pair that way, by 0.6% this way
-# (the spread of the log ratio, BENCHMARKS.md).
+# for): in an A/A test two servers of one config differed by 13% per simultaneous pair that way, by 1.0%
+# this way (the spread of the log ratio; `python -m benchmarks.cpu_noise --engine-aa`, BENCHMARKS.md).
 CPU_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
