@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -83,3 +84,50 @@ def start_server(config: Path, *extra: str):
         server.stop()
         raise
     return server, server.url
+
+
+# The engine target on the CPU at its smallest, staged by the real CLI with its default probes, and one plugin
+# with an effect far above the noise. The tests built on it are about servers, not the judge: two pairs always,
+# and the candidate (eight times the batch) kept unless its two pairs both lose by far (the interval of two
+# pairs is wide), so the CPU's noise cannot change which servers start.
+STAGED_CONFIG = """\
+target:
+  kind: engine
+  workspace: ws
+  device: cpu
+  num_layers: 1
+  kernel_checks: none
+  objective: cpu_score
+  simultaneous_arms: {simultaneous}
+  workload: {{num_prompts: 8, input_len: 32, output_len: 16, max_concurrency: 8}}
+plugins: plugins
+state: state
+policy: {{rule: stat, min_pairs: 2, max_pairs: 2, interleave: true, min_gain: 0, on_inconclusive: keep}}
+"""
+WIDER_BATCH = """\
+id: wider-batch
+description: eight sequences per step instead of one
+targets: [engine]
+apply:
+  - yaml_set: {path: "${serve_config}", key: max-num-seqs, value: 8}
+    root: serve
+"""
+
+
+def stage_wider_batch(folder: Path, simultaneous: bool, **extra_env: str) -> subprocess.CompletedProcess:
+    """`orchestrator run` of STAGED_CONFIG with the wider-batch plugin in `folder`."""
+    (folder / "orchestrator.yaml").write_text(STAGED_CONFIG.format(simultaneous=str(simultaneous).lower()))
+    (folder / "plugins" / "wider-batch").mkdir(parents=True)
+    (folder / "plugins" / "wider-batch" / "plugin.yaml").write_text(WIDER_BATCH)
+    return subprocess.run([PY, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"], cwd=folder,
+                          env=env(**extra_env), capture_output=True, text=True, timeout=900)
+
+
+def query(folder: Path, sql: str) -> list[dict]:
+    """Rows of the staged run's database."""
+    db = sqlite3.connect(folder / "state" / "orchestrator.db")
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute(sql).fetchall()]
+    finally:
+        db.close()

@@ -5,54 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from orchestrator.config import load
-from serving_support import REPO, alive_with
-
-CONFIG = """\
-target:
-  kind: engine
-  workspace: ws
-  device: cpu
-  num_layers: 1
-  kernel_checks: none
-  workload: {num_prompts: 8, input_len: 32, output_len: 16, max_concurrency: 8}
-plugins: plugins
-state: state
-policy: {rule: stat, min_pairs: 2, max_pairs: 2, interleave: true, min_gain: 0, on_inconclusive: keep}
-"""
-PLUGIN = """\
-id: wider-batch
-description: eight sequences per step instead of one
-targets: [engine]
-apply:
-  - yaml_set: {path: "${serve_config}", key: max-num-seqs, value: 8}
-    root: serve
-"""
-
-
-def query(folder: Path, sql: str) -> list[dict]:
-    db = sqlite3.connect(folder / "state" / "orchestrator.db")
-    db.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in db.execute(sql).fetchall()]
-    finally:
-        db.close()
-
+from serving_support import STAGED_CONFIG, alive_with, query, stage_wider_batch
 
 def test_both_arms_are_measured_at_once_on_servers_that_live_through_the_comparison(tmp_path):
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG)
-    (tmp_path / "plugins" / "wider-batch").mkdir(parents=True)
-    (tmp_path / "plugins" / "wider-batch" / "plugin.yaml").write_text(PLUGIN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    run = stage_wider_batch(tmp_path, simultaneous=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
     assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
@@ -100,7 +60,7 @@ def test_both_arms_are_measured_at_once_on_servers_that_live_through_the_compari
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores to mean anything")
 def test_a_simultaneous_engine_server_runs_every_thread_on_the_shared_core(tmp_path):
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG)
+    (tmp_path / "orchestrator.yaml").write_text(STAGED_CONFIG.format(simultaneous="true"))
     (tmp_path / "plugins").mkdir()
     project = load(tmp_path / "orchestrator.yaml")
     target = project.target
@@ -120,10 +80,11 @@ def test_a_simultaneous_engine_server_runs_every_thread_on_the_shared_core(tmp_p
 
 def test_simultaneous_arms_are_off_on_a_gpu_and_where_the_config_says_so(tmp_path):
     (tmp_path / "plugins").mkdir()
-    for extra, expected in (("", True), ("  simultaneous_arms: false\n", False),
-                            ("  simultaneous_arms: true\n", True)):
-        (tmp_path / "orchestrator.yaml").write_text(CONFIG.replace("  device: cpu\n", f"  device: cpu\n{extra}"))
+    default = STAGED_CONFIG.format(simultaneous="x").replace("  simultaneous_arms: x\n", "")
+    for text, expected in ((default, True), (STAGED_CONFIG.format(simultaneous="false"), False),
+                           (STAGED_CONFIG.format(simultaneous="true"), True)):
+        (tmp_path / "orchestrator.yaml").write_text(text)
         assert load(tmp_path / "orchestrator.yaml").target.simultaneous_arms() is expected
-    gpu = CONFIG.replace("device: cpu", "device: cuda")
-    (tmp_path / "orchestrator.yaml").write_text(gpu.replace("  device: cuda\n", "  device: cuda\n  simultaneous_arms: true\n"))
+    gpu = STAGED_CONFIG.format(simultaneous="true").replace("device: cpu", "device: cuda")
+    (tmp_path / "orchestrator.yaml").write_text(gpu)
     assert load(tmp_path / "orchestrator.yaml").target.simultaneous_arms() is False

@@ -7,60 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
-from serving_support import REPO, alive_with
+from serving_support import alive_with, query, stage_wider_batch
 
 GUARD = Path(__file__).resolve().parent / "device_guard"
 
-CONFIG = """\
-target:
-  kind: engine
-  workspace: ws
-  device: cpu
-  num_layers: 1
-  kernel_checks: none
-  objective: cpu_score
-  simultaneous_arms: false
-  workload: {num_prompts: 8, input_len: 32, output_len: 16, max_concurrency: 8}
-plugins: plugins
-state: state
-policy: {rule: stat, min_pairs: 2, max_pairs: 2, interleave: true, min_gain: 0, on_inconclusive: keep}
-"""
-# The test is about servers, not the judge: two pairs always, and the candidate (eight times the batch) kept
-# unless its two pairs both lose by far (the interval of two pairs is wide), so the CPU's noise cannot change
-# which servers start.
-PLUGIN = """\
-id: wider-batch
-description: eight sequences per step instead of one
-targets: [engine]
-apply:
-  - yaml_set: {path: "${serve_config}", key: max-num-seqs, value: 8}
-    root: serve
-"""
-
-
-def query(folder: Path, sql: str) -> list[dict]:
-    db = sqlite3.connect(folder / "state" / "orchestrator.db")
-    db.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in db.execute(sql).fetchall()]
-    finally:
-        db.close()
-
-
 def test_one_engine_server_per_state_never_beside_another_engine(tmp_path):
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG)
-    (tmp_path / "plugins" / "wider-batch").mkdir(parents=True)
-    (tmp_path / "plugins" / "wider-batch" / "plugin.yaml").write_text(PLUGIN)
     guard = tmp_path / "device.log"
-    env = {**os.environ, "DEVICE_GUARD": str(guard),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(GUARD), str(REPO), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    run = stage_wider_batch(tmp_path, simultaneous=False, DEVICE_GUARD=str(guard),
+                            PYTHONPATH=os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
