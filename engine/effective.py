@@ -30,7 +30,7 @@ def effective(config: EngineConfig) -> dict[str, Any]:
     used; ``ignored``: each serve-config key left out of it, with why."""
     import kernels
     from engine.kernel_choice import keys_for, select_kernels
-    from engine.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY
+    from engine.model_runner import fixed_cache_budget
 
     device, dtype = config.torch_device(), config.torch_dtype()
     raw = config.as_dict()
@@ -41,10 +41,10 @@ def effective(config: EngineConfig) -> dict[str, Any]:
     if config.enable_prefix_caching and not config.prefix_caching:
         ignored["enable-prefix-caching"] = "a hybrid model caches no prefix"
 
-    if device.type == "cuda" and config.kv_cache_memory is None:
+    if (budget := fixed_cache_budget(config, device.type)) is None:
         out["gpu-memory-utilization"] = config.gpu_memory_utilization
     else:
-        out["kv-cache-memory"] = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        out["kv-cache-memory"] = budget
         ignored["gpu-memory-utilization"] = ("the cache is sized by kv-cache-memory" if device.type == "cuda"
                                              else f"the cache is sized by kv-cache-memory on {device.type}")
     if device.type == "cuda":

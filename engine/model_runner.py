@@ -27,6 +27,14 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # without ``kv-cache-memory`` and without
 GIB = float(1 << 30)
 
 
+def fixed_cache_budget(config, device_type: str) -> int | None:
+    """Bytes of KV cache a config asks for outright (``kv-cache-memory``, or the CPU default); None on a GPU
+    without it: the ``gpu-memory-utilization`` share left after profiling decides there."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    return None if device_type == "cuda" else DEFAULT_CPU_KV_CACHE_MEMORY
+
+
 @contextlib.contextmanager
 def _defaults(device: torch.device, dtype: torch.dtype):
     """Create parameters directly on ``device`` in ``dtype``: a 35B model must never pass through
@@ -53,7 +61,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._check_weights_fit()
-        fixed_budget = self._fixed_cache_budget()
+        fixed_budget = fixed_cache_budget(self.config, self.device.type)
         if fixed_budget is not None:  # fail before allocating anything
             self._blocks_for(fixed_budget, "kv-cache-memory")
         self.kernels = select_kernels(config, self.device, self.dtype)
@@ -90,10 +98,6 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         return self.config.hf.kv_bytes_per_token(self._element_size()) * self.block_size
 
-    def _fixed_cache_budget(self) -> int | None:
-        if self.config.kv_cache_memory is not None:
-            return self.config.kv_cache_memory
-        return None if self.device.type == "cuda" else DEFAULT_CPU_KV_CACHE_MEMORY
 
     def _check_weights_fit(self) -> None:
         free, total = torch.cuda.mem_get_info(self.device)
