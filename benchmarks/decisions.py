@@ -22,7 +22,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from orchestrator.decide import DEFAULTS, Judge, first_rule
+from orchestrator.decide import Judge, first_rule
+from orchestrator.policy import Policy
+
+DEFAULTS = Policy().model_dump()
 
 EFFECTS = (-0.05, 0.0, 0.02, 0.05, 0.10, 0.50)
 NOISES = (0.01, 0.03, 0.10)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the Markdown tables to this file")
     args = parser.parse_args(argv)
     chosen = {k: v for k, v in vars(args).items() if k in DEFAULTS}
-    policy = SimpleNamespace(**{**DEFAULTS, **chosen, "rule": "stat", "interleave": True})
+    policy = Policy(**{**chosen, "rule": "stat", "interleave": True})
     command = "python -m benchmarks.decisions " + " ".join(argv if argv is not None else sys.argv[1:])
     start = time.perf_counter()
     rows = run_all(policy, args.trials, args.seed, args.drift_span, args.order)

@@ -26,7 +26,8 @@ from orchestrator.config import load
 from orchestrator.context import open_run
 from orchestrator.deployment import Deployment
 from orchestrator.journal import Journal
-from orchestrator.measure import Measurer
+from orchestrator.kept import KeptState
+from orchestrator.prober import Prober
 from orchestrator.plugin import load_all
 from orchestrator.stage import Stager
 from orchestrator.store import Store, dumps
@@ -61,7 +62,7 @@ def stage_overhead(base: Path, iterations: int) -> dict:
         journal = Journal(store, project.state_dir, project.target.roots)
         plugin = load_all(project.plugins_dir, project.target.roots, {})[0]
         run = open_run(project, store, journal, "run")
-        stager = Stager(run, Measurer(run), Deployment(store, journal))
+        stager = Stager(run, Prober(run), KeptState.of([]), Deployment(store, journal))
         before = {p.name: p.read_bytes() for p in project.target.roots["target"].iterdir()}
         t = time.perf_counter()
         stager.stage(plugin)

@@ -2,13 +2,13 @@
 
 Two serve configs that differ only in keys the engine ignores here (``gpu-memory-utilization`` on a
 CPU, a Triton variant that falls back to the same torch kernel, a long-decode kernel that no
-sequence can reach below ``max-model-len``) run the same computation, so measuring one against
+sequence can reach below ``max-model-len`` or in the served workload) run the same computation, so measuring one against
 the other measures noise. The orchestrator's configuration probe compares this output for the
 candidate and the last kept state and rolls back, unmeasured, a change that makes no difference
 (docs/probes.md). Kernel variants are chosen exactly as at start-up (the self-checks of
 ``engine.kernel_choice``), on small inputs and without weights.
 
-    python -m engine.effective --config serve.yaml
+    python -m engine.effective --config serve.yaml [--max-context TOKENS]
     {"configuration": {...}, "ignored": {"gpu-memory-utilization": "..."}}
 """
 from __future__ import annotations
@@ -25,9 +25,10 @@ from engine.config import ConfigError, EngineConfig, load_config
 SCHEDULING = ("max-num-seqs", "max-num-batched-tokens", "block-size", "max-model-len", "seed")
 
 
-def effective(config: EngineConfig) -> dict[str, Any]:
+def effective(config: EngineConfig, max_context: int | None = None) -> dict[str, Any]:
     """``configuration``: every setting that changes what runs here, kernel keys resolved to the variant
-    used; ``ignored``: each serve-config key left out of it, with why."""
+    used; ``ignored``: each serve-config key left out of it, with why. ``max_context``: the longest sequence
+    (prompt and output) the served workload holds, where that is known; else ``max-model-len``."""
     import kernels
     from engine.kernel_choice import keys_for, select_kernels
     from engine.model_runner import fixed_cache_budget
@@ -58,11 +59,13 @@ def effective(config: EngineConfig) -> dict[str, Any]:
         out[key] = choice[key]
         if chain != [choice[key]]:
             ignored[key] = f"{' -> '.join(chain)} runs {choice[key]} here"
-    if config.decode_long_threshold >= config.max_model_len:
+    longest = min(config.max_model_len, max_context or config.max_model_len)
+    if config.decode_long_threshold >= longest:
         del out["attention-decode-long"]
+        reach = (f"max-model-len {config.max_model_len}" if longest == config.max_model_len
+                 else f"the workload's longest sequence, {longest} tokens")
         ignored["attention-decode-long"] = ignored["decode-long-threshold"] = (
-            f"decode-long-threshold {config.decode_long_threshold} >= max-model-len {config.max_model_len}: "
-            "no decode is long")
+            f"decode-long-threshold {config.decode_long_threshold} >= {reach}: no decode is long")
     else:
         out["decode-long-threshold"] = config.decode_long_threshold
     out["prefill-block-m"] = config.prefill_block_m
@@ -76,14 +79,19 @@ def effective(config: EngineConfig) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.effective", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="serve config YAML")
+    p.add_argument("--max-context", type=int, metavar="TOKENS",
+                   help="the longest sequence (prompt and output) the served workload holds: a decode kernel no "
+                        "sequence of it reaches is ignored")
     args = p.parse_args(argv)
+    if args.max_context is not None and args.max_context < 1:
+        p.error("--max-context must be at least 1")
     logging.basicConfig(level=logging.ERROR)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(json.dumps({"error": str(exc)}))
         return 2
-    print(json.dumps(effective(config), sort_keys=True, default=str))
+    print(json.dumps(effective(config, args.max_context), sort_keys=True, default=str))
     return 0
 
 

@@ -220,6 +220,8 @@ class Limits:
     vocab_size: int
     max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies get a 413 before they are parsed
     max_prompts: int = MAX_PROMPTS  # prompts of one request (a batch): more is a 400
+    # what this server runs, in /v1/models: the kernel chosen for each kernel key, its device and dtype
+    engine: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -439,7 +441,7 @@ async def models(request: Request) -> dict:
     limits = request.app.state.limits
     return {"object": "list", "data": [{
         "id": limits.model_name, "object": "model", "created": 0, "owned_by": "engine",
-        "root": limits.model_name, "max_model_len": limits.max_model_len}]}
+        "root": limits.model_name, "max_model_len": limits.max_model_len, "engine": limits.engine}]}
 
 
 @router.get("/metrics")
@@ -503,12 +505,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="larger request bodies are answered 413")
     parser.add_argument("--max-prompts-per-request", type=int, default=MAX_PROMPTS,
                         help="a batch of more prompts is answered 400")
+    parser.add_argument("--kv-cache-memory", type=int, metavar="BYTES",
+                        help="size the KV cache at this many bytes, whatever the config says: two servers living "
+                             "side by side on one GPU each take a fixed share instead of a fraction of the card")
     parser.add_argument("--cpu-affinity", type=int, nargs="+", metavar="CPU",
                         help="run on these CPUs only (Linux): the staging loop puts both servers of a simultaneous "
                              "comparison on one core, which interleaves them finely")
     args = parser.parse_args(argv)
     if args.max_request_bytes < 1 or args.max_prompts_per_request < 1:
         parser.error("--max-request-bytes and --max-prompts-per-request must be at least 1")
+    if args.kv_cache_memory is not None and args.kv_cache_memory < 1:
+        parser.error("--kv-cache-memory must be at least 1")
     if args.cpu_affinity:
         try:
             pin(set(args.cpu_affinity))
@@ -519,12 +526,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args.config)
+        if args.kv_cache_memory is not None:
+            config = config.updated(kv_cache_memory=args.kv_cache_memory)
         engine = LLMEngine(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     limits = Limits(args.served_model_name or config.model, config.max_model_len, config.vocab_size,
-                    args.max_request_bytes, args.max_prompts_per_request)
+                    args.max_request_bytes, args.max_prompts_per_request,
+                    {"kernels": dict(engine.kernel_choice), "device": config.torch_device().type,
+                     "dtype": str(config.torch_dtype()).removeprefix("torch.")})
     disable_created_metrics()  # vLLM exposes no *_created series either
     logging.getLogger("engine").info("serving %s on http://%s:%d", limits.model_name,
                                              args.host, args.port)

@@ -198,6 +198,44 @@ def run(config: Optional[Path] = ConfigOpt,
 
 @app.command()
 @command
+def calibrate(config: Optional[Path] = ConfigOpt,
+              starts: int = typer.Option(4, min=3, max=50, help="fresh candidate servers of the state, each an A/A "
+                                         "block"),
+              pairs: int = typer.Option(2, min=2, max=20, help="pairs each block takes against the kept state"),
+              preset: Optional[str] = typer.Option(None, help="embedded default: the engine's model preset"),
+              device: Optional[str] = typer.Option(None, help="embedded default: the engine's device"),
+              dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
+              num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth")) -> None:
+    """An A/A test of the target as it is: the spread of the objective within a server's life and between starts,
+    the false-keep rate and the pairs needed at the policy's bar. Later runs judge by it."""
+    from orchestrator.calibrate import run_calibration
+    from orchestrator.lock import project_lock
+    from orchestrator.loop import Interrupted
+    from orchestrator.status import calibration_lines, status_data
+    project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
+    plugins = _plugins(project)
+    with project_lock(project):
+        store, journal = _open(project)
+        _recover(store, journal)
+        shutil.rmtree(project.state_dir / "tmp", ignore_errors=True)
+        project.target.prepare()
+
+        def stop(signum, frame):
+            raise Interrupted(f"signal {signum}")
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            run_id = run_calibration(project, plugins, store, journal, LiveReporter(None), starts, pairs)
+        except (KeyboardInterrupt, Interrupted):
+            raise UserError("interrupted; the calibration was recorded as interrupted")
+        data = status_data(store, run_id)
+        for line in calibration_lines(data):
+            console.print(line, highlight=False, soft_wrap=True)
+        if data["run"]["status"] != "finished":
+            raise UserError(f"run {run_id} {data['run']['status']}: {data['run']['detail']}")
+
+
+@app.command()
+@command
 def status(config: Optional[Path] = ConfigOpt,
            json_out: bool = typer.Option(False, "--json", help="machine-readable, as documented"),
            run_id: Optional[int] = typer.Option(None, "--run", help="a run id (default: the latest run)"),
@@ -225,10 +263,16 @@ def status(config: Optional[Path] = ConfigOpt,
         show_status(data)
 
 
+BASELINE_SHOWN = ("score", "cpu_score", "output_throughput", "duration", "mean_ttft_ms", "mean_tpot_ms")
+
+
 def show_status(data: dict) -> None:
-    from orchestrator.status import revalidation_lines, steps_table
+    from orchestrator.status import calibration_lines, revalidation_lines, steps_table
     if data["baseline"]:
-        console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in data["baseline"].items()), highlight=False)
+        console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in data["baseline"].items()
+                                                if k in BASELINE_SHOWN), highlight=False, soft_wrap=True)
+    for line in calibration_lines(data):
+        console.print(line, highlight=False, soft_wrap=True)
     console.print(steps_table(data))
     for line in revalidation_lines(data):
         console.print(line, highlight=False, soft_wrap=True)

@@ -2,64 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.loading import ConfigError, read_yaml, validate
+from orchestrator.policy import MAX_SAMPLES, Accept, Policy  # noqa: F401 - re-exported: a config holds its policy
 from orchestrator.targets import Target, TargetConfig, target_class
 
 CONFIG_NAME = "orchestrator.yaml"
 OPTIMIZATIONS = Path(__file__).resolve().parents[1] / "optimizations"
-
-
-MAX_SAMPLES = 100  # upper bound of repeats and pairs: each one is a probe run, often minutes long
-
-
-class Policy(BaseModel):
-    """How a candidate is measured and judged; per-plugin `accept:` overrides any field."""
-
-    model_config = ConfigDict(extra="forbid")
-    repeats: int = Field(3, ge=1)
-    min_gain: float = Field(0.02, ge=0)
-    interleave: bool = True
-    min_pairs: int = Field(3, ge=1)
-    max_pairs: int = Field(8, ge=1)
-    confidence: float = Field(0.95, gt=0, lt=1)
-    rule: Literal["stat", "first"] = "stat"
-    on_inconclusive: Literal["rollback", "keep"] = "rollback"
-    implausible_factor: float = Field(3.0, gt=1)
-    guardrails: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("repeats", "min_pairs", "max_pairs")
-    @classmethod
-    def _bounded(cls, value: int) -> int:
-        if value > MAX_SAMPLES:
-            raise ValueError(f"{value} is more than the limit of {MAX_SAMPLES} samples per arm: each is a probe run, "
-                             "and the judge's interval narrows little after a few dozen")
-        return value
-
-    @model_validator(mode="after")
-    def _pairs(self) -> "Policy":
-        if self.min_pairs > self.max_pairs:
-            raise ValueError(f"min_pairs ({self.min_pairs}) exceeds max_pairs ({self.max_pairs})")
-        if self.guardrails:  # the judge's module (and scipy) is imported only when there is something to parse
-            from orchestrator.decide import parse_guardrails
-            parse_guardrails(self.guardrails)
-        return self
-
-    def merged(self, overrides: "Accept | None") -> "Policy":
-        if overrides is None:
-            return self
-        return Policy.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
-
-
-# Every policy field, optional: the per-plugin `accept:` block.
-Accept = create_model(
-    "Accept",
-    __config__=ConfigDict(extra="forbid"),
-    **{name: (Optional[f.annotation], None) for name, f in Policy.model_fields.items()},
-)
 
 
 class ProbeSpec(BaseModel):
@@ -69,6 +21,10 @@ class ProbeSpec(BaseModel):
     command: list[str] = Field(min_length=1)
     timeout: float = Field(600, gt=0)
     objective: str | None = None
+    # the probe talks to the target's live server (a files target's `server:`): it is run with that server's
+    # address and pid in ORCHESTRATOR_BASE_URL and ORCHESTRATOR_SERVER_PID, one server start serving every
+    # such probe of a state
+    server: bool = False
 
     @model_validator(mode="after")
     def _objective(self) -> "ProbeSpec":

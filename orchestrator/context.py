@@ -24,6 +24,16 @@ class Reporter:
 
 
 @dataclass
+class ProcessRow:
+    """A recorded process (its row in the processes table); calling it records that the process ended."""
+    store: Store
+    id: int
+
+    def __call__(self) -> None:
+        self.store.end_process(self.id)
+
+
+@dataclass
 class RunContext:
     project: Project
     store: Store
@@ -55,10 +65,10 @@ class RunContext:
         self.reporter.tick(elapsed, tail)
 
     def recorder(self, step_id: int | None):
-        """`on_start` for run_process: records the process so that recovery can kill what a crash leaves."""
-        def on_start(what: str, pid: int, create_time: float):
-            proc_id = self.store.add_process(self.run_id, step_id, what, pid, pid, create_time)
-            return lambda: self.store.end_process(proc_id)
+        """`on_start` for run_process: records the process so that recovery can kill what a crash leaves; it
+        returns the row, which ends the record when called."""
+        def on_start(what: str, pid: int, create_time: float) -> ProcessRow:
+            return ProcessRow(self.store, self.store.add_process(self.run_id, step_id, what, pid, pid, create_time))
         return on_start
 
     def context(self, plugin: Plugin, step_id: int | None) -> StepContext:

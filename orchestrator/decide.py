@@ -1,12 +1,17 @@
 """Keep-or-rollback decisions from throughput samples of a baseline arm and a candidate arm.
 
-Two rules share one interface. ``first`` is the original fixed-sample rule. ``stat`` is an
+Two rules share one interface. ``first`` is the original fixed-sample rule, for tests. ``stat`` is an
 adaptive judge: it works on log ratios of the objective so that effects are relative and
 multiplicative noise is symmetric, and it stops as soon as a confidence interval of the effect
 settles the question. With interleaved arms (baseline i and candidate i measured back to back)
 each pair's log ratio cancels drift that is slow compared with one pair, so the judge uses a
 paired t interval; without interleaving it falls back to Welch's interval on the log values.
-See docs/decisions.md for why these were chosen over Mann-Whitney U.
+
+Pairs taken on the same two live servers share those servers' start effects, which no number of
+pairs averages away. Given the noise an A/A calibration measured (noise.py) and the server each
+sample came from, the paired interval adds the start effects the pairs carry: the interval is as
+wide as the evidence, whether the pairs came from one pair of servers or several. See
+docs/decisions.md for why these were chosen over Mann-Whitney U.
 """
 from __future__ import annotations
 
@@ -14,27 +19,21 @@ import math
 import operator
 import re
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 from scipy import stats
 
+from orchestrator.noise import Noise
+from orchestrator.policy import Policy
+
 VERDICTS = ("keep", "no_gain", "regressed", "inconclusive")
 
-DEFAULTS = {
-    "repeats": 3,
-    "min_gain": 0.02,
-    "interleave": True,
-    "min_pairs": 3,
-    "max_pairs": 8,
-    "confidence": 0.95,
-    "rule": "stat",
-    "on_inconclusive": "rollback",
-    "implausible_factor": 3.0,
-    "guardrails": {},
-}
+# A pair's two servers: (the baseline sample's, the candidate sample's), any hashable label of a server's life.
+Starts = Sequence[tuple[Hashable, Hashable]]
 
 
 @dataclass
@@ -51,15 +50,11 @@ class Decision:
     notes: list[str] = field(default_factory=list)
     confidence: float | None = None
     min_gain: float | None = None
+    starts: list[int] | None = None  # server starts behind the pairs: [baseline arm, candidate arm]
+    between: float | None = None  # the calibrated start-to-start sd the interval counts, when it counts one
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _policy(policy: Any, name: str) -> Any:
-    """Policies come from pydantic models, namespaces or tests; missing attributes take the documented default."""
-    value = getattr(policy, name, None)
-    return DEFAULTS[name] if value is None else value
 
 
 def first_rule(baseline: Sequence[float], candidate: Sequence[float], min_gain: float) -> Decision:
@@ -104,6 +99,40 @@ def paired_interval(baseline: Sequence[float], candidate: Sequence[float], confi
     return mean, mean - half, mean + half
 
 
+def carried_interval(baseline: Sequence[float], candidate: Sequence[float], starts: Starts, noise: Noise,
+                     confidence: float) -> tuple[float, float, float]:
+    """The paired mean log ratio with an interval that also counts the servers' start effects.
+
+    Each server's start effect (sd ``noise.between``) is in every pair it served: with shares w_s of the pairs
+    on candidate server s and v_t on baseline server t, the mean log ratio carries between² (Σ w_s² + Σ v_t²)
+    of start variance besides the sample noise (the pair log ratios' variance within blocks of one pair of
+    servers, over n). The t quantile takes the Welch-Satterthwaite degrees of freedom of the two parts, the
+    start part's being the calibration's."""
+    n = min(len(baseline), len(candidate), len(starts))
+    d = _logs(candidate[:n], "candidate") - _logs(baseline[:n], "baseline")
+    mean = float(d.mean())
+    if n < 2:
+        return mean, -math.inf, math.inf
+    blocks: dict[Hashable, list[float]] = {}
+    for pair, value in zip(starts[:n], d):
+        blocks.setdefault(pair, []).append(float(value))
+    df_w = n - len(blocks)
+    if len(blocks) > 1 and df_w >= 1:
+        s2 = sum(float(((np.asarray(v) - np.mean(v)) ** 2).sum()) for v in blocks.values()) / df_w
+    else:
+        s2, df_w = float(d.var(ddof=1)), n - 1
+    var_w = s2 / n
+    shares = [c / n for arm in (0, 1) for c in Counter(p[arm] for p in starts[:n]).values()]
+    var_b = noise.between ** 2 * sum(w * w for w in shares)
+    se2 = var_w + var_b
+    if se2 == 0:
+        return mean, mean, mean
+    parts = [(var_w, df_w)] + ([(var_b, noise.between_df)] if var_b > 0 and noise.between_df else [])
+    df = se2 ** 2 / sum(v * v / f for v, f in parts)
+    half = _t_quantile(confidence, df) * math.sqrt(se2)
+    return mean, mean - half, mean + half
+
+
 def welch_interval(baseline: Sequence[float], candidate: Sequence[float], confidence: float) -> tuple[float, float, float]:
     """Difference of mean log values with Welch's interval, for arms measured one after the other."""
     lb, lc = _logs(baseline, "baseline"), _logs(candidate, "candidate")
@@ -141,35 +170,36 @@ class Judge:
     """Adaptive judge: called after each new pair of samples; returns None while more samples are needed.
 
     Call ``decide`` once per new pair with ``final=True`` on the last allowed one; from
-    ``max_pairs`` on every call is final. The judge keeps no state between calls.
+    ``max_pairs`` on every call is final. The judge keeps no state between calls. With ``noise`` (a
+    calibration) and the servers behind each pair (``starts``), the interval counts their start effects.
     """
 
-    def __init__(self, policy: Any):
+    def __init__(self, policy: Policy, noise: Noise | None = None):
         self.policy = policy
-        self.rule = _policy(policy, "rule")
-        if self.rule not in ("stat", "first"):
-            raise ValueError(f"policy.rule must be 'stat' or 'first', got {self.rule!r}")
-        self.min_gain = float(_policy(policy, "min_gain"))
-        self.confidence = float(_policy(policy, "confidence"))
-        if not 0 < self.confidence < 1:
-            raise ValueError(f"policy.confidence must lie in (0, 1), got {self.confidence}")
-        self.min_pairs = max(2, int(_policy(policy, "min_pairs")))
-        self.max_pairs = max(self.min_pairs, int(_policy(policy, "max_pairs")))
-        self.implausible_factor = float(_policy(policy, "implausible_factor"))
-        self.interleave = bool(_policy(policy, "interleave"))
+        self.noise = noise
+        self.rule = policy.rule
+        self.min_gain = float(policy.min_gain)
+        self.confidence = float(policy.confidence)
+        self.min_pairs = max(2, policy.min_pairs)
+        self.max_pairs = max(self.min_pairs, policy.max_pairs)
+        self.implausible_factor = float(policy.implausible_factor)
+        self.interleave = policy.interleave
 
     def keeps(self, decision: Decision) -> bool:
         """Whether the deployment keeps the candidate, guardrails aside (see ``outcome``)."""
         return outcome(decision, (), self.policy)[0] == "kept"
 
-    def decide(self, baseline: Sequence[float], candidate: Sequence[float], final: bool) -> Decision | None:
+    def decide(self, baseline: Sequence[float], candidate: Sequence[float], final: bool,
+               starts: Starts | None = None, plan: tuple[int, int] | None = None) -> Decision | None:
+        """`plan`: (pairs, blocks of fresh servers) the comparison may take in all; with it, a comparison that
+        cannot settle within them stops early, `inconclusive` (see ``futile``)."""
         n = min(len(baseline), len(candidate))
         if n == 0:
             if final:
                 raise ValueError("a decision needs at least one sample in each arm")
             return None
         if self.rule == "first":
-            if not final and n < int(_policy(self.policy, "repeats")):
+            if not final and n < self.policy.repeats:
                 return None
             return first_rule(baseline, candidate, self.min_gain)
         final = final or n >= self.max_pairs
@@ -178,10 +208,11 @@ class Judge:
             return invalid
         if n < self.min_pairs and not final:
             return None
-        mean, low, high = self._interval(baseline, candidate)
+        mean, low, high = self._interval(baseline, candidate, starts)
         notes: list[str] = []
         if self._implausible(mean):
-            prior = self._interval(baseline[:n - 1], candidate[:n - 1])[0] if n - 1 >= self.min_pairs else None
+            prior = (self._interval(baseline[:n - 1], candidate[:n - 1], starts[:n - 1] if starts else None)[0]
+                     if n - 1 >= self.min_pairs else None)
             if prior is None or not self._implausible(prior):
                 if not final:
                     return None
@@ -191,17 +222,24 @@ class Judge:
                 notes.append(f"implausible effect x{math.exp(mean):.3g} (factor {self.implausible_factor:g}) "
                              "held after re-measuring")
         verdict = verdict_for(low, high, self.min_gain)
+        if verdict is None and not final and plan is not None and self.futile(baseline, candidate, starts, plan, mean):
+            notes.append(f"stopped after {n} of at most {plan[0]} pairs: even at the budget's end the interval "
+                         f"could not be expected to leave the bar of {self.min_gain:+.1%}")
+            final = True
         if verdict is None:
             if not final:
                 return None
             verdict = "inconclusive"
+        counted = self._counts_starts(starts)
         return Decision(
             verdict, math.expm1(mean),
             ci_low=math.expm1(low) if math.isfinite(low) else None,
             ci_high=math.expm1(high) if math.isfinite(high) else None,
             n_baseline=len(baseline), n_candidate=len(candidate),
             baseline_median=statistics.median(baseline), candidate_median=statistics.median(candidate),
-            rule="stat", notes=notes, confidence=self.confidence, min_gain=self.min_gain)
+            rule="stat", notes=notes, confidence=self.confidence, min_gain=self.min_gain,
+            starts=[len({p[0] for p in starts[:n]}), len({p[1] for p in starts[:n]})] if starts else None,
+            between=self.noise.between if counted else None)
 
     def _invalid(self, baseline: Sequence[float], candidate: Sequence[float]) -> Decision | None:
         """A zero or missing objective ends the comparison at once instead of crashing the log-ratio statistics:
@@ -218,16 +256,44 @@ class Judge:
         return Decision(verdict, None, n_baseline=len(baseline), n_candidate=len(candidate), rule="stat",
                         notes=[note], confidence=self.confidence, min_gain=self.min_gain)
 
-    def _interval(self, baseline: Sequence[float], candidate: Sequence[float]) -> tuple[float, float, float]:
-        if self.interleave:
-            return paired_interval(baseline, candidate, self.confidence)
-        return welch_interval(baseline, candidate, self.confidence)
+    def futile(self, baseline: Sequence[float], candidate: Sequence[float], starts: Starts | None,
+               plan: tuple[int, int], mean: float) -> bool:
+        """Whether more pairs are hopeless: the estimate lies within half the interval the whole budget would
+        give (its noise as measured so far, `plan[0]` pairs in `plan[1]` blocks) of the bar. Stopping then
+        cannot keep a candidate that more pairs would have kept but rarely, and only ever rolls back, so it is
+        used only where an inconclusive candidate is rolled back, and from three pairs on (two pairs' spread
+        says little of the noise)."""
+        n = min(len(baseline), len(candidate))
+        pairs, blocks = plan
+        if self.policy.on_inconclusive != "rollback" or n < 3 or pairs <= n:
+            return False
+        d = _logs(candidate[:n], "candidate") - _logs(baseline[:n], "baseline")
+        var_w = float(d.var(ddof=1)) / pairs
+        var_b = 2 * self.noise.between ** 2 / max(1, blocks) if self._counts_starts(starts) else 0.0
+        parts = [(var_w, pairs - 1)] + ([(var_b, self.noise.between_df)] if var_b > 0 else [])
+        se2 = var_w + var_b
+        if se2 == 0:
+            return False
+        df = se2 ** 2 / sum(v * v / f for v, f in parts)
+        half = _t_quantile(self.confidence, df) * math.sqrt(se2)
+        return abs(mean - math.log1p(self.min_gain)) < half / 2
+
+    def _counts_starts(self, starts: Starts | None) -> bool:
+        return bool(self.interleave and starts and self.noise is not None and self.noise.between > 0)
+
+    def _interval(self, baseline: Sequence[float], candidate: Sequence[float],
+                  starts: Starts | None = None) -> tuple[float, float, float]:
+        if not self.interleave:
+            return welch_interval(baseline, candidate, self.confidence)
+        if self._counts_starts(starts):
+            return carried_interval(baseline, candidate, starts, self.noise, self.confidence)
+        return paired_interval(baseline, candidate, self.confidence)
 
     def _implausible(self, log_effect: float) -> bool:
         return abs(log_effect) > math.log(self.implausible_factor)
 
 
-def outcome(decision: Decision, vetoes: Sequence[str], policy: Any) -> tuple[str, str | None]:
+def outcome(decision: Decision, vetoes: Sequence[str], policy: Policy) -> tuple[str, str | None]:
     """The keep-or-roll-back rule, applied to every judged candidate: ``("kept", reason)`` or ``("rolled_back", reason)``.
 
     ``keep`` is kept (no reason). ``inconclusive`` is rolled back, or kept with reason ``inconclusive`` when
@@ -236,7 +302,7 @@ def outcome(decision: Decision, vetoes: Sequence[str], policy: Any) -> tuple[str
     """
     if decision.verdict == "keep":
         reason = None
-    elif decision.verdict == "inconclusive" and _policy(policy, "on_inconclusive") == "keep":
+    elif decision.verdict == "inconclusive" and policy.on_inconclusive == "keep":
         reason = "inconclusive"
     else:
         return "rolled_back", decision.verdict if decision.verdict in ("no_gain", "regressed") else "inconclusive"

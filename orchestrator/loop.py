@@ -1,18 +1,21 @@
-"""`orchestrator run`: the baseline, each plugin staged in order against the last kept state, then the stack the
-run kept re-measured. However the run ends it is recorded, and a signal or a crash first restores the last kept
-state. A run that stopped on an environment failure is continued by the next one."""
+"""`orchestrator run`: the baseline (and, where the policy asks and none is recorded here, an A/A calibration of
+it), each plugin staged in order against the last kept state, then the stack the run kept re-measured. However
+the run ends it is recorded, and a signal or a crash first restores the last kept state. A run that stopped on an
+environment failure is continued by the next one."""
 from __future__ import annotations
 
 import gc
 
+from orchestrator.calibrate import calibrate, latest
 from orchestrator.config import Project
 from orchestrator.context import Reporter, open_run
 from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
 from orchestrator.failures import describe, is_environment
 from orchestrator.journal import Journal
-from orchestrator.measure import BaselineFailed, EnvironmentFailed, Measurer
+from orchestrator.kept import KeptState
 from orchestrator.plugin import Plugin
+from orchestrator.prober import BaselineFailed, EnvironmentFailed, Prober
 from orchestrator.recovery import recover
 from orchestrator.restack import Restack
 from orchestrator.stage import Stager
@@ -38,9 +41,12 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
     # process and recording it for recovery.
     gc.freeze()
     ctx = open_run(project, store, journal, "run", reporter)
-    measurer = Measurer(ctx, plugins)
+    prober = Prober(ctx, plugins)
     deployment = Deployment(store, journal)
-    restack = Restack(ctx, measurer, deployment, plugins)
+    kept = KeptState.of(list(deployment.rows()))
+    noise = latest(store, prober.objective, project.target.pairing()) if prober.throughput else None
+    stager = Stager(ctx, prober, kept, deployment, noise)
+    restack = Restack(ctx, prober, kept, deployment, plugins, noise)
     try:
         try:
             if reverify:
@@ -48,8 +54,10 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
             else:
                 chain = continued(store, ctx.run_id)
                 earlier = {} if only else decided(store, chain)
-                measurer.baseline(deployment.rows())
-                stager = Stager(ctx, measurer, deployment)
+                stager.baseline()
+                if noise is None and project.policy.calibrate and prober.throughput:
+                    stager.noise = restack.noise = calibrate(ctx, prober, kept, project.policy.calibrate.starts,
+                                                             project.policy.calibrate.pairs)
                 for plugin in plugins:
                     if (only and plugin.id not in only) or (skip and plugin.id in skip):
                         continue
@@ -57,13 +65,14 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                         stager.decided_earlier(plugin, earlier[plugin.id])
                     else:
                         stager.stage(plugin)
-                kept = deployment.kept_by([*chain, ctx.run_id])
-                if measurer.throughput and kept:
-                    restack.revalidate(kept)
+                kept_steps = deployment.kept_by([*chain, ctx.run_id])
+                if prober.throughput and kept_steps:
+                    restack.revalidate(kept_steps)
                     if attribute:
-                        restack.attribute(kept)
+                        restack.attribute(kept_steps)
         finally:
-            measurer.release()  # however the run ends, its live server is stopped first (recovery only kills)
+            kept.release()  # however the run ends, its live servers are stopped first (recovery only kills)
+            prober.release()
     except (KeyboardInterrupt, Interrupted):
         recover(store, journal, "interrupted", "stopped by a signal", own=True)
         raise

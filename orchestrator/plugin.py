@@ -11,7 +11,7 @@ from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from orchestrator.config import Accept
+from orchestrator.policy import Accept
 from orchestrator.loading import ConfigError, dotted, line_of, read_yaml, validate
 from orchestrator.targets import KINDS
 

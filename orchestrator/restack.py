@@ -8,12 +8,16 @@ the deployment the candidate, so a gain is the deployment's.
 from __future__ import annotations
 
 from orchestrator import decide
-from orchestrator.config import Policy
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
 from orchestrator.images import same
-from orchestrator.measure import ArmFailed, Measurer, Verdict, describe, guardrail_vetoes, numbers
+from orchestrator.kept import KeptState
+from orchestrator.noise import Noise
+from orchestrator.pairing import choose
 from orchestrator.plugin import Plugin
+from orchestrator.policy import Policy
+from orchestrator.prober import Arm, ArmFailed, Prober, Verdict, numbers
+from orchestrator.stage import describe, guardrail_vetoes
 from orchestrator.store import label, loads
 
 MEASURED = "measured"  # outcome of a re-measurement step: it leaves the deployment as it was
@@ -21,20 +25,23 @@ FINAL = "(final)"  # the final re-validation's step is named so; its kind says w
 
 
 class Restack:
-    def __init__(self, run: RunContext, measurer: Measurer, deployment: Deployment, plugins: list[Plugin]):
+    def __init__(self, run: RunContext, prober: Prober, kept: KeptState, deployment: Deployment,
+                 plugins: list[Plugin], noise: Noise | None = None):
         self.run = run
         self.store = run.store
         self.journal = run.journal
         self.reporter = run.reporter
-        self.measurer = measurer
+        self.prober = prober
+        self.kept = kept
         self.deployment = deployment
         self.plugins = plugins
+        self.noise = noise
 
     # comparison steps
     def switch_step(self, plugin: str, kind: str, images: list[tuple[dict, dict]], params: dict | None = None) -> int:
         """`images`: (row holding the deployed image, row whose pre-image is compared) per file."""
         step_id = self.store.new_step(self.run.run_id, plugin, "measuring", params=params, kind=kind,
-                                      objective=self.measurer.objective)
+                                      objective=self.prober.objective)
         self.journal.record(step_id, [dict(step_id=step_id, root=now["root"], path=now["path"],
                                    before=now["after"], before_mode=now["after_mode"],
                                    after=then["before"], after_mode=then["before_mode"], sealed=1)
@@ -43,17 +50,31 @@ class Restack:
         return step_id
 
     def compare(self, step_id: int, policy: Policy, name: str, without: set[str]) -> Verdict:
-        """Pairs (simultaneous or interleaved) whatever the plugins' mode; the target ends as deployed, with no live server up,
-        whatever happens. `without`: the kept plugins the compared state lacks."""
+        """Pairs whatever the plugins' mode, the deployment (on disk, the kept state's arm) as the candidate; the
+        target ends as deployed, with no live server up but the kept state's own, whatever happens. `without`: the
+        kept plugins the compared state lacks."""
         policy = policy.model_copy(update={"interleave": True})
         deployed = list(self.deployment.rows())
-        self.measurer.hold([p for p in deployed if p not in without], deployed)
+        cand = self.kept.arm
+        cand.holding, cand.show = deployed, lambda: self.journal.show(step_id, "pre")
+        base = Arm([p for p in deployed if p not in without], lambda: self.journal.show(step_id, "post"))
         try:
-            return self.measurer.paired(step_id, policy, name, lambda: self.journal.show(step_id, "post"),
-                                        lambda: self.journal.show(step_id, "pre"))
+            one_at_a_time = False
+            keys = self.run.project.target.memory_keys()
+            if keys and self.prober.configuration and self.kept.configuration is not None:
+                base.put_on_disk()
+                read, failed = self.prober.configuration_of(step_id, base, "baseline", name)
+                cand.put_on_disk()
+                one_at_a_time = failed is not None or self.kept.memory_changed(read, keys)
+            pairing = choose(self.prober, policy, self.noise, None, one_at_a_time)
+            if pairing.mode == "sequential":
+                self.kept.release()
+            return pairing.measure(step_id, name, base, cand)
         finally:
             self.journal.show(step_id, "pre")
-            self.measurer.release()
+            if base.server is not None:
+                base.server.stop()
+            self.prober.release()
 
     def measure_switch(self, plugin: str, kind: str, images: list[tuple[dict, dict]], phase: str,
                        without: set[str]) -> tuple[int, Verdict | None]:
@@ -69,7 +90,7 @@ class Restack:
             return step_id, None
 
     def record(self, step_id: int, verdict: Verdict, reason: str | None, detail: str) -> None:
-        self.measurer.record(verdict, self.run.project.policy)
+        self.prober.record(verdict, self.run.project.policy)
         self.store.finish_step(step_id, MEASURED, reason, detail, **numbers(verdict))
         self.reporter.outcome(label(self.store.step(step_id)), MEASURED, reason, verdict.decision.gain)
 
@@ -118,7 +139,7 @@ class Restack:
         """Re-judge each kept plugin whose decision was measured under another fingerprint: its pre-images
         against its post-images, interleaved; keep it (re-recorded under this environment) or roll it back."""
         from orchestrator.fingerprint import describe as describe_change, is_stale
-        from orchestrator.measure import fingerprint
+        from orchestrator.prober import fingerprint
         current = fingerprint()
         by_id = {p.id: p for p in self.plugins}
         for plugin_id, row in self.deployment.rows().items():
@@ -156,7 +177,7 @@ class Restack:
             return
         d = verdict.decision
         vetoes = guardrail_vetoes(policy, verdict)
-        self.measurer.record(verdict, policy, vetoes)
+        self.prober.record(verdict, policy, vetoes)
         detail = f"re-judged after {why}: {describe(d)}"
         outcome, reason = decide.outcome(d, vetoes, policy)
         if outcome == "kept":
@@ -164,6 +185,7 @@ class Restack:
             self.reporter.outcome(plugin.id, "kept", "reverified", d.gain)
             return
         self.journal.show(step_id, "post")
+        self.kept.release()  # it served the deployment as it was
         self.run.undo_steps(plugin, params, step_id)
         dependents = [p.id for p in self.plugins if plugin.id in p.manifest.requires and p.id in self.deployment]
         self.deployment.remove(plugin.id, step_id, reason,

@@ -12,12 +12,29 @@ from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
 from orchestrator.failures import is_environment
 from orchestrator.images import TouchError
-from orchestrator.measure import (ArmFailed, EnvironmentFailed, Measurer, Verdict, describe, failure, guardrail_vetoes,
-                                  numbers)
+from orchestrator.kept import KeptState
+from orchestrator.noise import Noise
+from orchestrator.pairing import Together, choose
 from orchestrator.plugin import Plugin, Variant
+from orchestrator.prober import (Arm, ArmFailed, BaselineFailed, EnvironmentFailed, Prober, Verdict, failure, medians,
+                                 numbers)
 from orchestrator.probes.runner import ProbeResult
+from orchestrator.state_server import StateServer
 from orchestrator.steps import StepFailed, apply_all, check
 from orchestrator.store import dumps
+
+
+def describe(d: decide.Decision) -> str:
+    gain = "n/a" if d.gain is None else f"{d.gain:+.2%}"
+    interval = (f" [{d.ci_low:+.2%}, {d.ci_high:+.2%}]" if d.ci_low is not None and d.ci_high is not None else "")
+    starts = f", {d.starts[0]}+{d.starts[1]} server starts" if d.starts else ""
+    notes = f"; {'; '.join(d.notes)}" if d.notes else ""
+    return f"{d.verdict}: gain {gain}{interval} over {d.n_baseline}/{d.n_candidate} samples{starts} ({d.rule} rule){notes}"
+
+
+def guardrail_vetoes(policy, verdict: Verdict) -> list[str]:
+    return decide.check_guardrails(policy.guardrails, [s.metrics for s in verdict.base],
+                                   [s.metrics for s in verdict.cand])
 
 
 def plugins_own(error: Exception) -> bool:
@@ -28,9 +45,16 @@ def plugins_own(error: Exception) -> bool:
 
 @dataclass
 class Candidate:
-    """An attempt that may be kept. Its step is in state `candidate` and the last kept state is on disk."""
+    """An attempt that may be kept. Its step is in state `candidate` and the last kept state is on disk; its
+    own live server, where the pairing gave it one, is still alive (it becomes the kept state's)."""
     verdict: Verdict
     reason: str | None  # the reason it would be kept with: None, or inconclusive (on_inconclusive: keep)
+    arm: Arm
+    configuration: dict | None = None
+
+    def release(self) -> None:
+        if self.arm.server is not None:
+            self.arm.server.stop()
 
     @property
     def step_id(self) -> int:
@@ -43,13 +67,49 @@ class Candidate:
 
 
 class Stager:
-    def __init__(self, run: RunContext, measurer: Measurer, deployment: Deployment):
+    """Stages plugins against the last kept state, which the run loop owns and passes in (`kept`)."""
+
+    def __init__(self, run: RunContext, prober: Prober, kept: KeptState, deployment: Deployment,
+                 noise: Noise | None = None):
         self.run = run
         self.store = run.store
         self.journal = run.journal
         self.reporter = run.reporter
-        self.measurer = measurer
+        self.prober = prober
+        self.kept = kept
         self.deployment = deployment
+        self.noise = noise
+
+    def baseline(self) -> None:
+        """The state the run starts from: its configuration probes and correctness probes once (a failure is a
+        warning) and `repeats` throughput samples (on a live server that stays up as the kept state's, where the
+        pairing keeps one); BaselineFailed when a sample cannot be taken."""
+        arm = self.kept.arm
+        arm.holding, arm.show = list(self.deployment.rows()), None
+        if self.run.project.target.pairing() != "sequential" and any(self.prober.serves(s) for s in self.prober.throughput):
+            arm.server = StateServer(self.run, pinned=self.run.project.target.pairing())
+        if self.prober.configuration:
+            read, failed = self.prober.configuration_of(None, arm, "baseline", "baseline")
+            if failed:
+                self.store.event(self.run.run_id, "warning", f"baseline fails configuration probe {failed[0].name}: "
+                                 f"{failed[1].message}; every candidate is measured")
+            self.kept.configuration = None if failed else read
+        for spec in self.prober.correctness:
+            out = self.prober.probe(spec, None, arm, "baseline", 0, "baseline")
+            if not out.ok:
+                self.store.event(self.run.run_id, "warning", f"baseline fails correctness probe {spec.name}: {out.message}")
+        if not self.prober.throughput:
+            return
+        try:
+            samples = [self.prober.sample(None, arm, "baseline", i, "baseline")
+                       for i in range(self.run.project.policy.repeats)]
+        except ArmFailed as e:
+            self.kept.release()
+            raise BaselineFailed(f"cannot measure the baseline: {e}") from None
+        finally:
+            self.prober.release()
+        self.kept.samples = samples
+        self.store.update_run(self.run.run_id, baseline=dumps(medians([s.metrics for s in samples])))
 
     def stage(self, plugin: Plugin) -> None:
         """Skip it, find it already applied, or attempt every params combination and keep the best candidate."""
@@ -71,8 +131,12 @@ class Stager:
                     candidate = self.unexpected(plugin, variant, e)
                 if candidate is not None:
                     candidates.append(candidate)
+                    for c in candidates:  # only the best so far may become the kept state: its server alone lives
+                        if c is not max(candidates, key=lambda c: c.gain):
+                            c.release()
         except EnvironmentFailed:
             for c in candidates:  # the last kept state is on disk: close them undecided
+                c.release()
                 self.store.finish_step(c.step_id, "rolled_back", "environment_failed",
                                        "not chosen: the run stopped on an environment failure")
             raise
@@ -155,18 +219,22 @@ class Stager:
 
     def attempt(self, plugin: Plugin, variant: Variant) -> Candidate | None:
         """Stage one params combination on the last kept state. Returns the candidate, or None when it was rolled
-        back (its outcome recorded); either way the last kept state is on disk afterwards, and no live server of
-        any state is left up."""
+        back (its outcome recorded); either way the last kept state is on disk afterwards, and no live server is
+        left up but the kept state's and a returned candidate's own."""
+        cand = Arm([])
         try:
-            return self.judge(plugin, variant)
+            result = self.judge(plugin, variant, cand)
         finally:
-            self.measurer.release()
+            self.prober.release()
+        if result is None and cand.server is not None:
+            cand.server.stop()
+        return result
 
-    def judge(self, plugin: Plugin, variant: Variant) -> Candidate | None:
+    def judge(self, plugin: Plugin, variant: Variant, cand: Arm) -> Candidate | None:
         name = plugin.id + (f" [{variant.label}]" if variant.params else "")
         kind = self.run.kind
         step_id = self.store.new_step(self.run.run_id, plugin.id, "applying", params=variant.params, image="post",
-                                      objective=self.measurer.objective)
+                                      objective=self.prober.objective)
         policy = self.run.project.policy.merged(plugin.manifest.accept)
         ctx = self.run.context(plugin, step_id)
         self.reporter.phase(name, "apply")
@@ -183,39 +251,52 @@ class Stager:
                 if not ok:
                     return self.roll_back(plugin, variant, step_id, "verify_failed", why)
         self.store.set_step(step_id, state="checking")
-        kept = list(self.deployment.rows())
-        self.measurer.hold(kept, [*kept, plugin.id])
-        ignored, failed = self.measurer.unchanged(step_id, name)
+        kept_ids = list(self.deployment.rows())
+        base = self.kept.arm
+        base.holding, base.show = kept_ids, lambda: self.journal.show(step_id, "pre")
+        cand.holding, cand.show = [*kept_ids, plugin.id], lambda: self.journal.show(step_id, "post")
+        read: dict | None = None
+        if self.prober.configuration:
+            read, failed = self.prober.configuration_of(step_id, cand, "candidate", name)
+            if failed:
+                spec, out = failed
+                return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
+            if (ignored := self.kept.ignored(read)) is not None:
+                return self.no_effect(plugin, variant, step_id, policy, ignored)
+            if earlier := self.kept.judged_like(read):
+                other, other_step, reason = earlier
+                return self.roll_back(plugin, variant, step_id, reason,
+                                      f"runs what {other} ran (step {other_step}; the configuration probes read the "
+                                      f"same), which was rolled back as {reason} against this same kept state: not "
+                                      "measured again")
+        one_at_a_time = read is not None and self.kept.memory_changed(read, self.run.project.target.memory_keys())
+        pairing = choose(self.prober, policy, self.noise, self.kept.samples, one_at_a_time)
+        if isinstance(pairing, Together):
+            cand.server = StateServer(self.run, pinned=pairing.mode)  # its correctness probes talk to it too
+        else:
+            self.kept.release()  # one server at a time
+        failed = self.prober.failed_correctness(step_id, cand, "candidate", name)
         if failed:
             spec, out = failed
             return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
-        if ignored is not None:
-            return self.no_effect(plugin, variant, step_id, policy, ignored)
-        if earlier := self.measurer.judged_like(step_id):
-            other, other_step, reason = earlier
-            return self.roll_back(plugin, variant, step_id, reason,
-                                  f"runs what {other} ran (step {other_step}; the configuration probes read the same), "
-                                  f"which was rolled back as {reason} against this same kept state: not measured again")
-        failed = self.measurer.failed_correctness(step_id, "candidate", name)
-        if failed:
-            spec, out = failed
-            return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
-        if not self.measurer.throughput:
-            return self.candidate(Verdict(step_id, None), None)
+        if not self.prober.throughput:
+            return self.candidate(Verdict(step_id, None), None, cand, read)
         self.store.set_step(step_id, state="measuring")
         try:
-            verdict = self.measurer.measure(step_id, policy, name, lambda image: self.journal.show(step_id, image))
+            verdict = pairing.measure(step_id, name, base, cand)
         except ArmFailed as e:
             return self.probe_failed(plugin, variant, step_id, name, e.spec, e.result, str(e))
+        if pairing.mode == "reused":
+            self.kept.samples = pairing.kept_samples
         vetoes = guardrail_vetoes(policy, verdict)
-        self.measurer.record(verdict, policy, vetoes)
+        self.prober.record(verdict, policy, vetoes)
         self.store.set_step(step_id, state="deciding", **numbers(verdict))
         outcome, reason = decide.outcome(verdict.decision, vetoes, policy)
         if outcome == "rolled_back":
             detail = "; ".join(vetoes) if reason == "guardrail" else describe(verdict.decision)
-            self.measurer.remember(step_id, name, reason)
+            self.kept.remember(read, name, step_id, reason)
             return self.roll_back(plugin, variant, step_id, reason, detail)
-        return self.candidate(verdict, reason)
+        return self.candidate(verdict, reason, cand, read)
 
     def no_effect(self, plugin: Plugin, variant: Variant, step_id: int, policy, ignored: dict[str, str]) -> None:
         """The candidate changes nothing the target runs here (its configuration probes read what the last kept
@@ -225,7 +306,7 @@ class Stager:
         note = ("no effect here: the configuration probes read the same effective configuration as on the last "
                 "kept state" + (f" (ignored: {why})" if why else ""))[:1500]
         d = decide.Decision("no_gain", None, rule="configuration", notes=[note], min_gain=policy.min_gain)
-        self.measurer.record(Verdict(step_id, d), policy)
+        self.prober.record(Verdict(step_id, d), policy)
         self.store.set_step(step_id, state="deciding")
         return self.roll_back(plugin, variant, step_id, "no_gain", describe(d))
 
@@ -236,7 +317,7 @@ class Stager:
         the candidate's; when it fails too, the environment is at fault: roll back as environment_failed and
         stop the run (EnvironmentFailed)."""
         self.journal.show(step_id, "pre")
-        control = self.measurer.control(spec, step_id, f"(control of {name})")
+        control = self.prober.probe(spec, step_id, self.kept.arm, "control", 0, f"(control of {name})")
         self.store.set_step(step_id, control=dumps({"probe": spec.name, "passed": control.ok, "reason": control.reason,
                                                     "detail": failure(control)}))
         if control.ok:
@@ -247,18 +328,18 @@ class Stager:
         raise EnvironmentFailed(f"{why}; {plugin.id} was rolled back and nothing more staged: fix the environment, "
                                 f"then `orchestrator run` continues from {plugin.id}")
 
-    def candidate(self, verdict: Verdict, reason: str | None) -> Candidate:
+    def candidate(self, verdict: Verdict, reason: str | None, arm: Arm, read: dict | None) -> Candidate:
         """Put the last kept state back while the other combinations are attempted; the best is shown again."""
         self.journal.show(verdict.step_id, "pre")
         self.store.set_step(verdict.step_id, state="candidate")
-        return Candidate(verdict, reason)
+        return Candidate(verdict, reason, arm, read)
 
     def keep(self, plugin: Plugin, best: Candidate) -> None:
         d = best.verdict.decision
         self.journal.show(best.step_id, "post")
         self.deployment.keep(plugin.id, best.step_id, best.reason,
                              describe(d) if d else "no throughput probe configured")
-        self.measurer.adopt(best.verdict)
+        self.kept.adopt(list(self.deployment.rows()), best.verdict.cand, best.configuration, best.arm.server)
         self.reporter.outcome(plugin.id, "kept", best.reason, d.gain if d else None)
 
     def roll_back(self, plugin: Plugin, variant: Variant, step_id: int, reason: str, detail: str) -> None:

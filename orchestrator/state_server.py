@@ -1,22 +1,26 @@
-"""The live server of the state on disk, shared by the probes that judge that state.
+"""A live server of one state, shared by the probes that judge that state.
 
 A vLLM start costs a minute or more and an engine start on a GPU about ten seconds, while a serving
 sample lasts seconds: when every probe started its own server, server starts were most of a staged
-run. So where the target offers one (``Target.live_server``) and the project uses the target's own
-probes, the staging loop starts one server when the first probe that talks to a server
-(``Target.probes_against``) runs on a state, aims that probe and every later one of the same state at
-it (``--base-url``, ``--server-pid``), and stops it:
+run. So where the target offers one (``Target.live_server``), the staging loop starts one server when
+the first probe that talks to a server runs on a state (the target's own ``Target.probes_against``, or a
+user's probe that says ``server: true``), aims that probe and every later one of the same state at it
+(``--base-url``, ``--server-pid``; a user's probe gets ``ORCHESTRATOR_BASE_URL`` and
+``ORCHESTRATOR_SERVER_PID``), and stops it:
 
-- before the state on disk changes (the journal's watcher: images shown or restored, pre-images
-  recorded before an apply step writes), so a server never outlives the state it serves;
-- before a probe that does not talk to it, which may need the device to itself (the engine's
-  correctness probe runs engines of its own);
-- after a probe that talked to it failed: a server that misbehaved is not reused;
-- at the end of the baseline, of every attempt and of every comparison, and however a run ends.
+- a server of the state on disk (``pinned=False``): before that state changes (the journal's watcher:
+  images shown or restored, pre-images recorded before an apply step writes), so a server never outlives
+  the state it serves; and before a probe that does not talk to it, which may need the device to itself;
+- a pinned server (one arm of a comparison whose servers live side by side, pairing.py): it has read its
+  state at start, so it lives on however the disk changes, until its owner stops it;
+- either: after a probe that talked to it failed (a server that misbehaved is not reused), and however a
+  run ends.
 
 Stopping returns only once its process group exited and released its GPU memory (``LiveServer.stop``).
 The server runs in its own process group, its row in the processes table is written as soon as it
-started, and it carries a process mark of the run, so `recover` kills it after the orchestrator died.
+started (its `ready` time once healthy), and it carries a process mark of the run, so `recover` kills it
+after the orchestrator died. `start_id`, that row's id, names the server's life: the judge counts the
+start effects of the servers behind its pairs by it.
 """
 from __future__ import annotations
 
@@ -30,64 +34,78 @@ from orchestrator.context import RunContext
 from orchestrator.probes.live_server import LiveServer, ServerFailed, log_name
 from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
 
+BASE_URL_ENV = "ORCHESTRATOR_BASE_URL"  # a user's probe with `server: true`: the live server to talk to
+SERVER_PID_ENV = "ORCHESTRATOR_SERVER_PID"
+
 
 class StateServer:
-    """At most one live server, of the state on disk; started on demand by `aim`."""
+    """At most one live server of one state; started on demand by `aim` (or `start`)."""
 
-    def __init__(self, run: RunContext, simultaneous: bool = False):
+    def __init__(self, run: RunContext, pinned: str | None = None):
         self.run = run
-        # one arm of a simultaneous comparison (Target.simultaneous_arms): its server has read its state at
-        # start, so it is not stopped when the state on disk changes, only by `stop`
-        self.simultaneous = simultaneous
+        # how a pinned server lives beside another state's (Target.pairing): "coresident" or "simultaneous"
+        self.pinned = pinned
         self.target = run.project.target
-        # only the target's own probes know how to talk to its server: a user's probes start what they start
+        # the target's own probes that talk to its server; a user's probe says so itself (ProbeSpec.server)
         own = run.project.config.probes is None
         self.shared = {s["name"] for s in self.target.probes_against("http://127.0.0.1:0")} if own else set()
         self.server: LiveServer | None = None
         self.what = ""
+        self.start_id: int | None = None
+        self.samples = 0  # throughput samples it has served: the first of a fresh server warms it up
         self._step_id: int | None = None
         self._mark = ""
         self._since = 0.0
         self._end: Callable[[], None] | None = None
-        if not simultaneous:
+        if pinned is None:
             run.journal.watch(self.stop)
 
     def serves(self, spec: ProbeSpec) -> bool:
         """Whether `spec` talks to the live server (else it runs with none alive)."""
-        return spec.name in self.shared
+        return spec.name in self.shared or (spec.server and self.target.has_server())
 
-    def aim(self, spec: ProbeSpec, env: dict[str, str], step_id: int | None, arm: str, label: str) -> ProbeSpec:
-        """`spec` aimed at the live server of the state on disk, started first when none is up (with `env`, the
-        probe environment of that state). ServerFailed ("crashed" or "timeout", with its log's tail) when it
-        cannot be started or does not become healthy; it is stopped then."""
+    @property
+    def up(self) -> bool:
+        return self.server is not None and self.server.exited() is None
+
+    def aim(self, spec: ProbeSpec, env: dict[str, str], step_id: int | None, arm: str,
+            label: str) -> tuple[list[str], dict[str, str]]:
+        """`spec`'s command and environment aimed at this live server, started first when none is up (with
+        `env`, the probe environment of its state, which must then be on disk). ServerFailed ("crashed" or
+        "timeout", with its log's tail) when it cannot be started or does not become healthy; it is stopped
+        then."""
         if self.server is not None and (code := self.server.exited()) is not None:
             self.run.store.event(self.run.run_id, "warning", f"the {self.what} of {label} exited with code {code} "
                                                              "between two probes; another is started", step_id)
             self.stop()
         if self.server is None:
             self.start(env, step_id, arm, label)
-        aimed = {s["name"]: s for s in self.target.probes_against(self.server.url, self.server.pid)}
-        return ProbeSpec.model_validate(aimed[spec.name])
+        if spec.name in self.shared:
+            aimed = {s["name"]: s for s in self.target.probes_against(self.server.url, self.server.pid)}
+            return list(aimed[spec.name]["command"]), env
+        return list(spec.command), {**env, BASE_URL_ENV: self.server.url, SERVER_PID_ENV: str(self.server.pid)}
 
     def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str) -> None:
         self.what, self._step_id = f"live server ({arm})", step_id
         self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
         server = self.target.live_server(marked_env(env, self._mark),
-                                         label=log_name(f"run{self.run.run_id}", label, arm),
-                                         simultaneous=self.simultaneous)
+                                         label=log_name(f"run{self.run.run_id}", label, arm), beside=self.pinned)
         self.run.reporter.phase(label, f"starting the {self.what}")
         server.start()  # ServerFailed("crashed") when the command cannot be started: nothing runs then
         self.server = server
+        self.samples = 0
         try:
             create_time = psutil.Process(server.pid).create_time()
         except psutil.Error:
             create_time = time.time()
         self._end = self.run.recorder(step_id)(self.what, server.pid, create_time)
+        self.start_id = self._end.id
         try:
-            server.wait_healthy(self.target.startup_timeout, on_tick=self.run.reporter.tick)
+            server.wait_healthy(self.target.startup_timeout, on_tick=self.run.tick)
         except BaseException:
             self.stop()
             raise
+        self.run.store.process_ready(self.start_id)
 
     def crashed(self) -> str | None:
         """When the live server has exited: its exit code and the last lines of its log, for a probe's failure."""

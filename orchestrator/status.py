@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -57,7 +58,7 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
     steps = store.steps(run["id"])
     decisions = store.decisions_for(s["id"] for s in steps)
     current = environment() if any(s["outcome"] == "kept" for s in steps) else {}
-    out_steps, final, attribution = [], None, []
+    out_steps, final, attribution, blocks = [], None, [], []
     for s in steps:
         d = decisions.get(s["id"])
         item = {"plugin": s["plugin"], "outcome": s["outcome"], "reason": s["reason"], "gain": s["gain"],
@@ -67,8 +68,13 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
         if d:
             item["decision"] = {k: d[k] for k in ("verdict", "rule", "ci_low", "ci_high", "n_baseline", "n_candidate",
                                                   "baseline_median", "candidate_median")}
+            full = loads(d["decision"]) or {}
+            item["decision"].update(starts=full.get("starts"), between=full.get("between"),
+                                    min_gain=full.get("min_gain"), notes=full.get("notes") or [])
             item["decision"]["vetoes"] = loads(d["vetoes"]) or []
-        if s["kind"] == "final":
+        if s["kind"] == "calibration":
+            blocks.append(item)
+        elif s["kind"] == "final":
             final = {**item, "better": bool(d) and d["verdict"] == "keep"}
         elif s["kind"] == "attribution":
             attribution.append(item)
@@ -83,7 +89,45 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
         out["final"] = final
     if attribution:
         out["attribution"] = attribution
+    if (calibration := calibration_of(store, run["id"], blocks)) is not None:
+        out["calibration"] = calibration
     return out
+
+
+def calibration_of(store: Reader, run_id: int, blocks: list[dict]) -> dict[str, Any] | None:
+    """The A/A calibration a run took (as its first step, or as `orchestrator calibrate`), with its blocks."""
+    row = store.calibration_of(run_id)
+    if row is None and not blocks:
+        return None
+    out: dict[str, Any] = {"blocks": blocks}
+    if row is not None:
+        out.update({k: row[k] for k in ("id", "objective", "pairing", "starts", "pairs", "between_df",
+                                        "start_seconds", "pair_seconds")})
+        out.update(within=row["within_sd"], between=row["between_sd"])
+        out.update(loads(row["summary"]) or {})
+    return out
+
+
+def calibration_lines(data: dict[str, Any]) -> list[str]:
+    """What an A/A calibration found, for people."""
+    c = data.get("calibration")
+    if not c:
+        return []
+    if c.get("within") is None:
+        return [f"calibration: {len(c['blocks'])} A/A block(s) measured, not finished"]
+    sim = c.get("simulated") or {}
+    lines = [f"calibration ({c['starts']} starts x {c['pairs']} pairs, {c['pairing']}): spread of log "
+             f"{c['objective']} within a start {c['within']:.2%}, between starts {c['between']:.2%}",
+             f"  A/A decisions kept: {c.get('aa_kept', 0)} of {c.get('aa_judged', 0)}; a no-op kept in "
+             f"{sim.get('keep_rate_counting', 0):.1%} of simulated decisions ({sim.get('keep_rate_ignoring', 0):.1%} "
+             f"ignoring start effects); {c.get('pairs_per_start')} pairs per start; a no-op needs "
+             f"{_or_more(c.get('pairs_needed'))} pairs on one pair of servers, {_or_more(c.get('starts_needed'))} "
+             "starts, to show no gain"]
+    return lines
+
+
+def _or_more(n: int | None) -> str:
+    return "over 100" if n is None else str(n)
 
 
 def _interval(item: dict[str, Any]) -> str:
@@ -123,24 +167,52 @@ def _num(v: float | None) -> str:
     return "–" if v is None else f"{v:.4g}"
 
 
+OUTCOMES = {"kept": "kept", "rolled_back": "back", "skipped": "skip", "measured": "meas"}
+
+
+def _gain(s: dict[str, Any]) -> str:
+    """The gain with its interval, short: `+81.0% [+26, +159]`."""
+    if s["gain"] is None:
+        return ""
+    d = s.get("decision") or {}
+    if d.get("ci_low") is None or d.get("ci_high") is None:
+        return f"{s['gain']:+.1%}"
+    return f"{s['gain']:+.1%} [{100 * d['ci_low']:+.0f}, {100 * d['ci_high']:+.0f}]"
+
+
 def steps_table(data: dict[str, Any]) -> Table:
+    """One row a step, readable in 80 columns: ids whole, the other columns short (outcome kept / back / skip,
+    the gain with its interval in percent, the pairs judged, the seconds taken); reasons wrap."""
     run = data["run"]
-    table = Table(title=f"run {run['id']} ({run['command']}): {run['status']}")
-    table.add_column("plugin", overflow="fold")
+    table = Table(title=f"run {run['id']} ({run['command']}): {run['status']}", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), pad_edge=False, title_justify="left")
+    table.add_column("plugin", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    table.add_column("reason", overflow="fold", ratio=1)
+    table.add_column("gain [95% CI]", overflow="fold")
+    table.add_column("n", justify="right", no_wrap=True)
+    table.add_column("s", justify="right", no_wrap=True)
+    stale = any(s.get("stale") for s in data["steps"])
     controls = any(s.get("control") for s in data["steps"])
-    for col in ("outcome", "reason", "objective before → after", "gain", "duration", "stale") + (
-            ("control",) if controls else ()):
-        table.add_column(col)
+    if stale:
+        table.add_column("stale", overflow="fold")
+    if controls:
+        table.add_column("control", overflow="fold")
     style = {"kept": "green", "rolled_back": "red", "skipped": "yellow"}
     for s in data["steps"]:
-        name = s["plugin"] + (" [" + ",".join(f"{k}={v}" for k, v in s["params"].items()) + "]" if s["params"] else "")
+        name = escape(s["plugin"])
+        if s["params"]:
+            name += "\n [dim]" + escape(",".join(f"{k}={v}" for k, v in s["params"].items())) + "[/]"
         outcome = s["outcome"] or s["state"]
-        change = "" if s["before"] is None and s["after"] is None else f"{_num(s['before'])} → {_num(s['after'])}"
-        row = [escape(name), f"[{style.get(outcome, 'cyan')}]{outcome}[/]", s["reason"] or "", change,
-               "" if s["gain"] is None else f"{s['gain']:+.2%}",
-               "" if s["duration"] is None else f"{s['duration']:.1f}s",
-               f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else ""]
-        table.add_row(*row, *([_control(s.get("control"))] if controls else []))
+        d = s.get("decision") or {}
+        pairs = "" if d.get("n_candidate") is None or d.get("rule") == "configuration" else str(d["n_candidate"])
+        row = [name, f"[{style.get(outcome, 'cyan')}]{OUTCOMES.get(outcome, outcome)}[/]", escape(s["reason"] or ""),
+               _gain(s), pairs, "" if s["duration"] is None else f"{s['duration']:.0f}"]
+        if stale:
+            row.append(f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else "")
+        if controls:
+            row.append(_control(s.get("control")))
+        table.add_row(*row)
     return table
 
 

@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS deployed (
 CREATE TABLE IF NOT EXISTS measurements (
   id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, probe TEXT, role TEXT, arm TEXT, repeat INTEGER,
   ok INTEGER, reason TEXT, value REAL, metrics TEXT, duration REAL, returncode INTEGER,
-  stdout_tail TEXT, stderr_tail TEXT, fingerprint TEXT, at REAL);
+  stdout_tail TEXT, stderr_tail TEXT, fingerprint TEXT, at REAL, server INTEGER);
 CREATE INDEX IF NOT EXISTS measurements_step ON measurements(run_id, step_id);
 CREATE TABLE IF NOT EXISTS decisions (
   id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER REFERENCES steps(id), objective TEXT, verdict TEXT,
@@ -48,19 +48,24 @@ CREATE TABLE IF NOT EXISTS decisions (
 CREATE INDEX IF NOT EXISTS decisions_step ON decisions(step_id);
 CREATE TABLE IF NOT EXISTS processes (
   id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, what TEXT, pid INTEGER, pgid INTEGER,
-  create_time REAL, started REAL, ended REAL);
+  create_time REAL, started REAL, ended REAL, ready REAL);
 CREATE INDEX IF NOT EXISTS processes_open ON processes(ended);
 CREATE TABLE IF NOT EXISTS events (
   id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, at REAL, kind TEXT, message TEXT);
+CREATE TABLE IF NOT EXISTS calibrations (
+  id INTEGER PRIMARY KEY, run_id INTEGER REFERENCES runs(id), objective TEXT, pairing TEXT, starts INTEGER,
+  pairs INTEGER, within_sd REAL, between_sd REAL, between_df INTEGER, start_seconds REAL, pair_seconds REAL,
+  summary TEXT, fingerprint TEXT, at REAL);
 """
 
 
 
 # What a step is: a plugin staged (`attempt`), the re-validation of the stack a run kept (`final`, its `plugin`
 # is "(final)"), the stack without one kept plugin (`attribution`, `plugin` is the one left out), a kept plugin
-# re-judged by `run --reverify` (`reverify`), or a kept plugin undone by `rollback` (`rollback`). `control`
+# re-judged by `run --reverify` (`reverify`), a kept plugin undone by `rollback` (`rollback`), or one block of an
+# A/A calibration (`calibration`, its `plugin` is "(A/A N)"). `control`
 # holds the result of re-running a probe the candidate failed on the last kept state (JSON), if one was run.
-STEP_KINDS = ("attempt", "final", "attribution", "reverify", "rollback")
+STEP_KINDS = ("attempt", "final", "attribution", "reverify", "rollback", "calibration")
 
 # Databases of schema version 0 name re-measurement steps "(final)" and "(without ID)" and have no kind: a run
 # is a re-verification when one of its steps carries a mark only re-verification leaves (its rolled-back steps
@@ -107,7 +112,14 @@ def _v4_path_images(conn: sqlite3.Connection, state_dir: Path) -> None:
     conn.execute("ALTER TABLE files DROP COLUMN kind")
 
 
-MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots, _v4_path_images]  # version v to v + 1
+def _v5_servers(conn: sqlite3.Connection, state_dir: Path) -> None:
+    """Samples name the live server that served them (its processes row), servers when they answered their first
+    health check, and A/A calibrations get a table (created with the rest of the schema)."""
+    conn.execute("ALTER TABLE measurements ADD COLUMN server INTEGER")
+    conn.execute("ALTER TABLE processes ADD COLUMN ready REAL")
+
+
+MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots, _v4_path_images, _v5_servers]  # version v to v + 1
 VERSION = len(MIGRATIONS)
 # Step columns added since version 0, as a reader shows them in an older database.
 _ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
@@ -353,6 +365,20 @@ class Reader:
         return {r["step_id"]: r for r in self.query(
             f"SELECT * FROM decisions WHERE step_id IN ({marks}) ORDER BY id", ids)}
 
+    def calibrations(self) -> list[dict]:
+        """Every A/A calibration recorded, newest first (none in a database older than schema version 5)."""
+        if not self.query("SELECT 1 FROM sqlite_master WHERE name = 'calibrations'"):
+            return []
+        return self.query("SELECT * FROM calibrations ORDER BY id DESC")
+
+    def calibration_of(self, run_id: int) -> dict | None:
+        return next((c for c in self.calibrations() if c["run_id"] == run_id), None)
+
+    def servers(self, run_id: int) -> list[dict]:
+        """The live servers a run started (processes rows), oldest first."""
+        return self.query("SELECT * FROM processes WHERE run_id = ? AND what LIKE 'live server%' ORDER BY id",
+                          [run_id])
+
     def open_processes(self) -> list[dict]:
         return self.query("SELECT * FROM processes WHERE ended IS NULL ORDER BY id")
 
@@ -507,3 +533,12 @@ class Store(Reader):
 
     def end_process(self, proc_id: int) -> None:
         self._db["processes"].update(proc_id, {"ended": time.time()})
+
+    def process_ready(self, proc_id: int) -> None:
+        """A live server answered its first health check."""
+        self._db["processes"].update(proc_id, {"ready": time.time()})
+
+    def add_calibration(self, run_id: int, **fields: Any) -> int:
+        fields["summary"] = dumps(fields.get("summary"))
+        fields["fingerprint"] = dumps(fields.get("fingerprint"))
+        return self._db["calibrations"].insert(dict(run_id=run_id, at=time.time(), **fields)).last_pk

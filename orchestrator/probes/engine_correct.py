@@ -139,11 +139,14 @@ class KernelChecks:
     Passed checks are remembered in ``cache`` under the kernels' source digest, device, dtype and
     shape list; a failed one runs again next time."""
 
-    def __init__(self, config: EngineConfig, mode: str, cache: Path | None = None):
-        self.device = config.torch_device().type
-        self.dtype = str(config.torch_dtype()).removeprefix("torch.")
+    def __init__(self, device: str, dtype: str, mode: str, cache: Path | None = None):
+        self.device, self.dtype = device, dtype
         self.small = mode == "small" or (mode == "auto" and self.device == "cpu")
         self.cache = cache
+
+    @classmethod
+    def of(cls, config: EngineConfig, mode: str, cache: Path | None = None) -> "KernelChecks":
+        return cls(config.torch_device().type, str(config.torch_dtype()).removeprefix("torch."), mode, cache)
 
     def _key(self, digest: str, op: str, variant: str) -> str:
         return f"{digest}/{self.device}/{self.dtype}/{'small' if self.small else 'full'}/{op}/{variant}"
@@ -239,7 +242,7 @@ def judge(reference: dict, config: EngineConfig, args: argparse.Namespace,
     result["kernels"] = choice
     cache = None if args.no_check_cache else args.reference.with_name("engine-kernel-checks.json")
     result["kernel_checks"] = ([] if args.kernel_checks == "none"
-                               else KernelChecks(checked or config, args.kernel_checks, cache).run(choice))
+                               else KernelChecks.of(checked or config, args.kernel_checks, cache).run(choice))
     failed = _failures(result, exact, args)
     result["passed"] = not failed
     if failed:
@@ -261,7 +264,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m orchestrator.probes.engine_correct",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--reference", type=Path, required=True,
-                   help="stored reference completions (recorded there when absent)")
+                   help="stored reference completions (recorded there when absent); with --served, where the "
+                        "passed kernel checks are remembered")
+    p.add_argument("--served", metavar="URL",
+                   help="only check the kernels a running engine server reports in /v1/models (its device and "
+                        "dtype), printing {passed, checked}: the live greedy probe's --check-command")
     p.add_argument("--config", help="candidate serve config (default: $ORCHESTRATOR_TARGET_ROOT/serve.yaml)")
     p.add_argument("--early-tokens", type=int, default=4,
                    help="outside exact mode: a prompt differing within this many tokens diverges early")
@@ -297,10 +304,28 @@ def run(args: argparse.Namespace) -> dict:
             "reference": str(args.reference)}
 
 
+def served(args: argparse.Namespace) -> dict:
+    """The kernel checks of what the engine server at ``args.served`` runs."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{args.served.rstrip('/')}/v1/models", timeout=30)
+        info = resp.json()["data"][0]["engine"]
+        choice, device, dtype = dict(info["kernels"]), info["device"], info["dtype"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ProbeFailure(f"{args.served}/v1/models names no engine kernels: {exc}") from None
+    cache = None if args.no_check_cache else args.reference.with_name("engine-kernel-checks.json")
+    checked = [] if args.kernel_checks == "none" else KernelChecks(device, dtype, args.kernel_checks, cache).run(choice)
+    failed = [f"kernels.check {c['op']}/{c['variant']} failed" + (f": {c['error']}" if c.get("error") else "")
+              for c in checked if not c["passed"]]
+    return {"passed": not failed, "checked": checked, "kernels": choice,
+            **({"error": "; ".join(failed)} if failed else {})}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        result = run(args)
+        result = served(args) if args.served else run(args)
     except (ProbeFailure, ConfigError) as exc:
         result = {"passed": False, "error": str(exc)}
     print(json.dumps(result))

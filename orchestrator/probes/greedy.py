@@ -1,6 +1,6 @@
 """Live correctness probe: greedy completions of a fixed set of token-id prompts through a running
-server's ``/v1/completions``, compared with those recorded on the baseline; plus the project's
-kernel check of every shim a plugin deployed into the vLLM package.
+server's ``/v1/completions``, compared with those recorded on the baseline; plus, with
+``--check-command``, the target's check of the kernels that server runs.
 
     python -m orchestrator.probes.greedy --reference state/vllm-reference.json \\
         (--server-cmd 'vllm serve --config serve.yaml --host {host} --port {port}' | --base-url URL)
@@ -174,26 +174,22 @@ def judge(reference: dict, model: str, outputs: list[dict], mode: str, args: arg
     return cmp
 
 
-def kernel_checks(mode: str) -> list[dict]:
-    """``check-kernels`` of the vllm target for the shims deployed in ``$ORCHESTRATOR_ROOT_VLLM``;
-    nothing to do (and nothing imported) when no plugin deployed one."""
-    package = os.environ.get("ORCHESTRATOR_ROOT_VLLM")
-    if mode == "none" or not package:
+def kernel_checks(command: str | None) -> list[dict]:
+    """The target's kernel check (``--check-command``): each entry of its result's ``checked``, or one entry
+    for the whole; nothing when no command is given."""
+    if not command:
         return []
-    from orchestrator.targets.vllm import deployed_kernels
-
-    if not deployed_kernels(Path(package)):
-        return []
-    argv = [sys.executable, "-m", "orchestrator.targets.vllm", "check-kernels"]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
+        proc = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=CHECK_TIMEOUT)
     except subprocess.TimeoutExpired:
-        return [{"passed": False, "error": f"check-kernels timed out after {CHECK_TIMEOUT} s"}]
+        return [{"passed": False, "error": f"the kernel check timed out after {CHECK_TIMEOUT} s"}]
+    except OSError as exc:
+        return [{"passed": False, "error": f"cannot run the kernel check {command!r}: {exc}"}]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     try:
         result = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
-        return [{"passed": False, "error": f"check-kernels exited {proc.returncode} without a JSON result: "
+        return [{"passed": False, "error": f"the kernel check exited {proc.returncode} without a JSON result: "
                                             f"{proc.stderr.strip()[-500:]}"}]
     checked = result.get("checked") or []
     return checked if checked else [{"passed": bool(result.get("passed")) and proc.returncode == 0}]
@@ -225,8 +221,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="prompt lengths in tokens")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     p.add_argument("--token-id-range", type=int, nargs=2, default=list(TOKEN_RANGE), metavar=("LOW", "HIGH"))
-    p.add_argument("--check-kernels", choices=["auto", "none"], default="auto",
-                   help="auto: check every kernel shim deployed in $ORCHESTRATOR_ROOT_VLLM")
+    p.add_argument("--check-command", help="a command checking the kernels the server runs (its last stdout line: "
+                   "JSON with `passed` and `checked`), run after the completions")
     args = p.parse_args(argv)
     if min(args.lengths) < 1 or args.max_tokens < 1:
         p.error("--lengths and --max-tokens must be at least 1")
@@ -280,7 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     # the baseline is asked twice: exact comparison means something only where it reproduces itself
     model, passes, facts = serve_and_generate(args, prompts, 2 if reference is None else 1)
     outputs = passes[0]
-    checks = kernel_checks(args.check_kernels)  # once the server (if ours) has released the card
+    checks = kernel_checks(args.check_command)  # once the server (if ours) has released the card
     result: dict = {"model": model, "reference": str(args.reference), "prompts": len(prompts), **facts}
     if reference is None:
         deterministic = passes[0] == passes[1]

@@ -60,6 +60,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+ENGINE_SERVER = "engine.server"  # the reference engine's OpenAI-compatible server (python -m engine.server)
+
+
+def engine_server_argv(config: str, host: str = "{host}", port: int | str = "{port}") -> list[str]:
+    """The engine's server serving the serve config ``config``; ``{host}`` and ``{port}`` left for LiveServer."""
+    return [sys.executable, "-m", ENGINE_SERVER, "--config", config, "--host", host, "--port", str(port)]
+
+
 def log_name(*parts: str) -> str:
     """A file name made of ``parts`` (plugin ids, probe names) with anything odd replaced."""
     return "-".join(re.sub(r"[^A-Za-z0-9._=,-]+", "_", p).strip("_") for p in parts if p) or "server"

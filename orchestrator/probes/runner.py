@@ -219,6 +219,7 @@ class ProbeResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     value: float | None = None
     process: ProcessResult | None = None
+    server: int | None = None  # the live server it talked to (the staging loop's processes row), if any
 
 
 def _has_object_line(text: str) -> bool:

@@ -21,16 +21,18 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
-from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, group_cpu_seconds, on_sigterm,
-                                             server_label, wait_healthy)
+from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, engine_server_argv,
+                                             group_cpu_seconds, on_sigterm, server_label, wait_healthy)
+from orchestrator.probes.workload import Workload
 
 DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input tokens/s
 WINDOW_STRIDE = 7919  # seed offset of each further measured window
@@ -41,8 +43,11 @@ WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
 PAIR_STRIDE = 10_000_019
 PAIR_ENV = "ORCHESTRATOR_PAIR"
 # The instant (seconds since the epoch) at which a sample's measured window begins: the staging loop gives both
-# samples of a simultaneous pair the same one (orchestrator.measure).
+# samples of a simultaneous pair the same one (orchestrator.pairing).
 START_AT_ENV = "ORCHESTRATOR_START_AT"
+# Set for the first sample on a fresh live server: a warm-up batch first (per-shape compilation, first-use
+# allocations), whatever --warmup says.
+WARMUP_ENV = "ORCHESTRATOR_WARMUP"
 
 
 class ProbeError(Exception):
@@ -50,48 +55,6 @@ class ProbeError(Exception):
 
 
 # ---------------------------------------------------------------- the workload
-
-
-@dataclass
-class Workload:
-    """A seeded synthetic load, the same on every server so that runs compare."""
-
-    num_prompts: int = 32
-    input_len: int = 64
-    output_len: int = 16
-    range_ratio: float = 0.0
-    shared_prefix_fraction: float = 0.5
-    token_low: int = 0
-    token_high: int = 256
-    request_rate: float = math.inf
-    max_concurrency: int | None = 8
-    seed: int = 0
-
-    def requests(self) -> list[tuple[list[int], int]]:
-        """Seeded (prompt token ids, output length) pairs; every prompt starts with one shared
-        prefix of ``shared_prefix_fraction × input_len`` tokens, so prefix caching matters."""
-        rng = np.random.default_rng(self.seed)
-        prefix_len = round(self.shared_prefix_fraction * self.input_len)
-        prefix = rng.integers(self.token_low, self.token_high, prefix_len).tolist()
-
-        def length(mean: int) -> int:
-            low, high = math.floor(mean * (1 - self.range_ratio)), math.ceil(mean * (1 + self.range_ratio))
-            return max(1, int(rng.integers(low, high + 1)))
-
-        out = []
-        for _ in range(self.num_prompts):
-            total = max(length(self.input_len), prefix_len + 1)
-            own = rng.integers(self.token_low, self.token_high, total - prefix_len).tolist()
-            out.append((prefix + own, length(self.output_len)))
-        return out
-
-    def delays(self) -> list[float]:
-        """Send times relative to the start: Poisson arrivals at ``request_rate``, as vLLM's."""
-        if math.isinf(self.request_rate):
-            return [0.0] * self.num_prompts
-        rng = random.Random(self.seed)
-        gaps = [rng.expovariate(self.request_rate) for _ in range(self.num_prompts)]
-        return np.cumsum([0.0] + gaps[:-1]).tolist()
 
 
 @dataclass
@@ -106,12 +69,16 @@ class Outcome:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    first_at: float | None = None  # perf_counter() of the first token
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of each streamed chunk
 
 
 async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-               max_tokens: int) -> Outcome:
-    """One streaming completion, timed the way `vllm bench serve` times it."""
-    out = Outcome(prompt_len=len(prompt))
+               max_tokens: int, out: Outcome | None = None) -> Outcome:
+    """One streaming completion, timed the way `vllm bench serve` times it; into `out` as it streams, so that a
+    request cancelled midway keeps what it received."""
+    out = out if out is not None else Outcome()
+    out.prompt_len = len(prompt)
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = last = time.perf_counter()
@@ -138,9 +105,10 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                 now = time.perf_counter()
                 if msg.get("choices"):
                     if chunks == 0:
-                        out.ttft = now - start
+                        out.ttft, out.first_at = now - start, now
                     else:
                         out.itl.append(now - last)
+                    out.token_times.append(now)
                     last, chunks = now, chunks + 1
                 if usage := msg.get("usage"):
                     out.output_tokens = usage.get("completion_tokens", 0)
@@ -190,6 +158,82 @@ async def drive(base_url: str, model: str, workload: Workload, request_timeout: 
         duration, cpu_end = time.perf_counter() - start, cpu_clock()
         cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
         return list(outcomes), duration, cpu
+
+
+async def drive_steady(base_url: str, model: str, workload: Workload, request_timeout: float,
+                       cpu_clock: Callable[[], float | None] = lambda: None,
+                       start_at: float | None = None) -> tuple[list[Outcome], float, float, float | None]:
+    """Keeps ``max_concurrency`` requests of the workload's stream in flight, from the wall-clock instant
+    ``start_at`` if given (after one test request), for ``ramp + duration`` seconds, then cancels those still
+    running (the server aborts them). Returns every request sent, the window's bounds (perf_counter) and the
+    CPU seconds ``cpu_clock`` advanced over the window."""
+    url = f"{base_url}/v1/completions"
+    stream = workload.stream()
+    limit = workload.concurrency
+    limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
+    async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
+        first = await send(client, url, model, *next(stream))
+        if not first.success:
+            raise ProbeError(f"the initial test request failed: {first.error}")
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        begin = time.perf_counter()
+        window_start = begin + workload.ramp
+        window_end = window_start + workload.duration
+        outcomes: list[Outcome] = []
+
+        async def keep_busy() -> None:
+            while time.perf_counter() < window_end:
+                out = Outcome()
+                outcomes.append(out)
+                await send(client, url, model, *next(stream), out=out)
+
+        tasks = [asyncio.create_task(keep_busy()) for _ in range(limit)]
+        try:
+            await asyncio.sleep(max(0.0, window_start - time.perf_counter()))
+            cpu_start = cpu_clock()
+            await asyncio.sleep(max(0.0, window_end - time.perf_counter()))
+            cpu_end = cpu_clock()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
+        return outcomes, window_start, window_end, cpu
+
+
+def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple[dict, float, str]:
+    """`vllm bench serve`'s metrics over a steady-state window: the tokens streamed inside it (a chunk counts
+    as the request's tokens per chunk), the prompts whose first token came inside it, and the latencies of the
+    requests that finished inside it."""
+    def inside(t: float | None) -> bool:
+        return t is not None and start <= t < end
+
+    duration = end - start
+    done = [o for o in outcomes if o.success and o.token_times and inside(o.token_times[-1])]
+    failed = [o for o in outcomes if not o.success and o.error and o.error != "cancelled" and
+              (not o.token_times or inside(o.token_times[-1]))]
+    total_out = 0.0
+    for o in outcomes:
+        per_chunk = (o.output_tokens / len(o.token_times)) if o.success and o.output_tokens and o.token_times else 1.0
+        total_out += per_chunk * sum(1 for t in o.token_times if inside(t))
+    prefilled = [o for o in outcomes if inside(o.first_at)]
+    total_in = sum(o.prompt_len for o in prefilled)
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
+    result = {
+        "duration": duration, "completed": len(done), "failed": len(failed),
+        "total_input_tokens": total_in, "total_output_tokens": round(total_out),
+        "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration, "steady_state": True,
+        "requests_sent": len(outcomes),
+    }
+    result.update(_stats("ttft", [o.ttft for o in done]))
+    result.update(_stats("tpot", tpots))
+    result.update(_stats("itl", [x for o in done for x in o.itl]))
+    result.update(_stats("e2el", [o.latency for o in done]))
+    result["errors"] = sorted({o.error for o in failed})[:10]
+    cached = [o.cached_tokens for o in prefilled if o.cached_tokens is not None]
+    return result, (sum(cached) if cached else 0), ("usage" if cached else "none")
 
 
 async def prefix_cache_hits(base_url: str) -> float | None:
@@ -336,6 +380,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests per second, Poisson arrivals (default: all at once)")
     p.add_argument("--max-concurrency", type=int, default=w.max_concurrency)
     p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="steady state: keep --max-concurrency requests in flight and measure a window of this "
+                        "many seconds (after --ramp), instead of one batch of --num-prompts")
+    p.add_argument("--ramp", type=float, default=w.ramp, metavar="SECONDS",
+                   help="steady state: seconds at full concurrency before the measured window")
     p.add_argument("--pair", type=int, default=None,
                    help=f"the sample's pair index: the workload's seed is offset by {PAIR_STRIDE} per pair "
                         f"(default: ${PAIR_ENV}, else 0)")
@@ -348,7 +397,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the figure that picks the best pass (default: score)")
     p.add_argument("--warmup", action="store_true",
                    help="before the measured window, one concurrent batch of other prompts shaped like the "
-                        "workload (compiles per-shape kernels outside the window)")
+                        f"workload (compiles per-shape kernels outside the window; also when ${WARMUP_ENV} is 1)")
     p.add_argument("--max-failed-fraction", type=float, default=0.0,
                    help="the probe fails when more than this fraction of requests fail")
     p.add_argument("--output-weight", type=float, default=DEFAULT_WEIGHTS[0])
@@ -357,16 +406,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.windows <= 100:  # their seeds stay clear of the warm-up's and of the next pair's
         p.error("--windows must be between 1 and 100")
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        p.error("--num-prompts, --input-len and --output-len must be at least 1")
-    if not 0.0 <= args.shared_prefix_fraction < 1.0:
-        p.error("--shared-prefix-fraction must be in [0, 1)")
-    if not 0.0 <= args.range_ratio < 1.0:
-        p.error("--range-ratio must be in [0, 1)")
-    if args.token_id_range[0] >= args.token_id_range[1] or args.token_id_range[0] < 0:
-        p.error("--token-id-range needs 0 <= LOW < HIGH")
-    if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
-        p.error("--request-rate and --max-concurrency must be positive")
+    try:
+        args.workload = Workload(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                                 range_ratio=args.range_ratio, shared_prefix_fraction=args.shared_prefix_fraction,
+                                 token_low=args.token_id_range[0], token_high=args.token_id_range[1],
+                                 request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                                 windows=args.windows, duration=args.duration, ramp=args.ramp, warmup=args.warmup)
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-') or 'workload'}: {e['msg']}"
+                             for e in exc.errors())
+        p.error(problems)
+    if os.environ.get(WARMUP_ENV, "").strip() == "1":
+        args.warmup = True
     if args.start_at is None and (value := os.environ.get(START_AT_ENV, "").strip()):
         try:
             args.start_at = float(value)
@@ -396,9 +447,7 @@ def server_argv(args: argparse.Namespace) -> list[str]:
             raise ProbeError("no server given: pass --server-cmd, --base-url or --serve-config, "
                              "or set ORCHESTRATOR_TARGET_ROOT")
         config = str(Path(root) / "serve.yaml")
-    from orchestrator.targets.engine import server_argv as engine_server_argv
-
-    return engine_server_argv(config, "{host}", "{port}")
+    return engine_server_argv(config)
 
 
 async def warm_up(base_url: str, model: str, workload: Workload, request_timeout: float) -> float:
@@ -407,8 +456,9 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
     chunked prefill's remainder, the long-decode path past its threshold) and Triton compiles each at
     first use, which must happen here, not in the window. With 1,024-token warm-up prompts, samples
     of one config on an H200 (8 x 8,400-token prompts) spread from 23k to 37k. Returns its wall time."""
-    batch = min(workload.num_prompts, workload.max_concurrency or workload.num_prompts)
-    warm = replace(workload, num_prompts=batch, request_rate=math.inf, seed=workload.seed + WARMUP_OFFSET)
+    batch = workload.concurrency if workload.steady else min(workload.num_prompts, workload.concurrency)
+    warm = workload.model_copy(update=dict(num_prompts=batch, request_rate=math.inf, duration=None,
+                                           seed=workload.seed + WARMUP_OFFSET))
     outcomes, duration, _ = await drive(base_url, model, warm, request_timeout)
     if not any(o.success for o in outcomes):
         raise ProbeError(f"every warm-up request failed: {sorted({o.error for o in outcomes})[:3]}")
@@ -419,19 +469,28 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
                          server: LiveServer | None, start_at: float | None = None) -> dict:
     """One measured pass of ``workload`` (from ``start_at``, when given): `vllm bench serve`'s fields, the
     score, CPU figures."""
-    hits_before = await prefix_cache_hits(base_url)
     clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
-    outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout,
-                                          clock.cpu_seconds if clock is not None else lambda: None, start_at)
-    lag = time.time() - duration - start_at if start_at is not None else None
-    ok = [o for o in outcomes if o.success]
-    if ok and all(o.cached_tokens is not None for o in ok):
-        cached, source = sum(o.cached_tokens for o in ok), "usage"
-    elif hits_before is not None and (hits_after := await prefix_cache_hits(base_url)) is not None:
-        cached, source = hits_after - hits_before, "metrics"
+    cpu_clock = clock.cpu_seconds if clock is not None else lambda: None
+    lag = None
+    if workload.steady:
+        outcomes, start, end, cpu = await drive_steady(base_url, model, workload, args.request_timeout, cpu_clock,
+                                                       start_at)
+        if start_at is not None:
+            lag = time.time() - (end - start) - workload.ramp - start_at
+        result, cached, source = summarize_window(outcomes, start, end)
+        result["ramp"] = workload.ramp
     else:
-        cached, source = 0, "none"
-    result = summarize(outcomes, duration)
+        hits_before = await prefix_cache_hits(base_url)
+        outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout, cpu_clock, start_at)
+        lag = time.time() - duration - start_at if start_at is not None else None
+        ok = [o for o in outcomes if o.success]
+        if ok and all(o.cached_tokens is not None for o in ok):
+            cached, source = sum(o.cached_tokens for o in ok), "usage"
+        elif hits_before is not None and (hits_after := await prefix_cache_hits(base_url)) is not None:
+            cached, source = hits_after - hits_before, "metrics"
+        else:
+            cached, source = 0, "none"
+        result = summarize(outcomes, duration)
     result.update({"backend": "openai", "model_id": model, "base_url": base_url,
                    "num_prompts": workload.num_prompts,
                    "request_rate": workload.request_rate if math.isfinite(workload.request_rate) else "inf",
@@ -465,13 +524,12 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
     ready = server.age() if server is not None else None
     model = args.model or await served_model(base_url)
     seed = args.seed + PAIR_STRIDE * args.pair
-    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                        args.shared_prefix_fraction, *args.token_id_range, args.request_rate,
-                        args.max_concurrency, seed)
+    workload = args.workload.model_copy(update={"seed": seed})
     warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
     windows = []
     for i in range(args.windows):
-        windows.append(await measure_window(base_url, model, replace(workload, seed=seed + WINDOW_STRIDE * i),
+        windows.append(await measure_window(base_url, model,
+                                            workload.model_copy(update={"seed": seed + WINDOW_STRIDE * i}),
                                             args, server, args.start_at if i == 0 else None))
         if failure(windows[-1], args.max_failed_fraction):
             break  # a failing server is reported as it is, not retried into a pass
@@ -522,7 +580,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def failure(result: dict, max_failed_fraction: float) -> str | None:
     total = result["completed"] + result["failed"]
-    if result["completed"] == 0:
+    if result.get("steady_state") and result["total_output_tokens"] == 0:
+        return "no token was streamed in the measured window"
+    if result["completed"] == 0 and not result.get("steady_state"):
         return "no request completed"
     if result["failed"] > max_failed_fraction * total:
         return (f"{result['failed']} of {total} requests failed, more than the allowed "

@@ -48,22 +48,33 @@ class Target:
         return []
 
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    simultaneous: bool = False) -> "LiveServer | None":
-        """An unstarted server of the target's current state that several default probes can share
-        (see ``probes_against``); None when the default probes start nothing shareable. `simultaneous`:
-        it will be measured at the same time as a server of another state (``simultaneous_arms``)."""
+                    beside: str | None = None) -> "LiveServer | None":
+        """An unstarted server of the target's current state that several probes can share (see
+        ``probes_against``); None when there is none to share. `beside`: it will live beside a server of another
+        state, "coresident" (measured one after the other) or "simultaneous" (at the same time)."""
         return None
+
+    def has_server(self) -> bool:
+        """Whether ``live_server`` gives one."""
+        return False
+
+    def pairing(self) -> str:
+        """How the staging loop pairs samples of two states here (orchestrator/pairing.py): "sequential" (one
+        state on disk and one server at a time), "coresident" (a live server of each state, both alive for the
+        whole comparison, sampled one after the other) or "simultaneous" (both sampled at the same time). The
+        last two need servers that read all of their state at start, so that each serves its state whatever is
+        on disk later; "simultaneous" also needs a machine two servers share fairly (a CPU, not one GPU)."""
+        return "sequential"
+
+    def memory_keys(self) -> frozenset[str]:
+        """Keys of the configuration probe's reading that size a server's memory: a candidate that changes one is
+        measured one server at a time (the fixed budgets that let two servers live side by side would hide it)."""
+        return frozenset()
 
     def probe_cpus(self) -> set[int] | None:
         """The CPUs the probes of a simultaneous pair run on (None: wherever the OS puts them): kept off the
         core the two servers share, whose every other user would slow them unevenly."""
         return None
-
-    def simultaneous_arms(self) -> bool:
-        """Whether the staging loop may measure a candidate and the last kept state at the same time, each on
-        a live server of its own: only where a started server has read all of its state (so it serves that
-        state whatever is on disk later) and two servers can share the machine fairly (a CPU, not one GPU)."""
-        return False
 
     def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
         """The default probes that talk to a server, aimed at one already running at ``base_url``

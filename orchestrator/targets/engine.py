@@ -9,17 +9,16 @@ from __future__ import annotations
 import importlib.resources
 import io
 import os
-import sys
+import shlex
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
 
 from orchestrator.loading import ConfigError
-from orchestrator.probes.live_server import LiveServer
+from orchestrator.probes.live_server import LiveServer, engine_server_argv
+from orchestrator.probes.workload import Workload
 from orchestrator.targets.base import Target, TargetConfig
-
-SERVER_MODULE = "engine.server"  # `python -m engine.server --config FILE --host H --port P`
 
 
 def shipped_baseline() -> Path:
@@ -37,39 +36,20 @@ def shared_cpu() -> int | None:
     return cpus[0] if len(cpus) > 1 else None
 
 
-def server_argv(config: str, host: str, port: int | str) -> list[str]:
-    """The engine's OpenAI-compatible server serving ``config``."""
-    return [sys.executable, "-m", SERVER_MODULE, "--config", config, "--host", host, "--port", str(port)]
-
-
-
 SERVE_CONFIG = "serve.yaml"
-
-
-class Workload(BaseModel):
-    """The serving benchmark's load (``orchestrator.probes.serving``'s arguments)."""
-
-    model_config = ConfigDict(extra="forbid")
-    num_prompts: int = Field(ge=1)
-    input_len: int = Field(ge=1)
-    output_len: int = Field(ge=1)
-    shared_prefix_fraction: float = Field(0.5, ge=0, lt=1)
-    max_concurrency: int = Field(ge=1)
-    warmup: bool = False
-    windows: int = Field(1, ge=1, le=20)  # measured passes per server start; the best by the objective counts
-    seed: int = 0
-
 
 # On two CPU cores with the `tiny` preset: a window of a few seconds in the batched arms, prompts
 # long enough that the prefill kernels matter, every prompt in flight at once.
 CPU_WORKLOAD = Workload(num_prompts=48, input_len=256, output_len=48, max_concurrency=48)
-# On a GPU: 8,400-token prompts, so decodes cross the 8,192-token long-decode threshold that the
-# seed's decode-threshold and V2 plugins are about, eight in flight at once, so batching matters; no
-# shared prefix (a hybrid model caches none); a warm-up batch first, so that Triton's per-shape
-# compilation stays out of the window. About 20 s a window on the baseline at 4 layers.
-GPU_WORKLOAD = Workload(num_prompts=8, input_len=8400, shared_prefix_fraction=0.0, output_len=32,
-                        max_concurrency=8, warmup=True)
+# On a GPU, the seed's workload: 1,000-token prompts, 200 tokens out, 128 in flight (the seed sweeps 128 and 256
+# concurrent requests), no shared prefix (a hybrid model caches none); steady state, so that every sample is 10 s
+# at full concurrency whatever the state's speed, its first 2 s left out.
+GPU_WORKLOAD = Workload(num_prompts=128, input_len=1000, output_len=200, shared_prefix_fraction=0.0,
+                        max_concurrency=128, duration=10.0, ramp=2.0)
 GPU_MAX_MODEL_LEN = 16384
+# Each of two servers living side by side on one GPU sizes its KV cache at this, not at a share of the card:
+# 16 GiB holds 800,000 tokens at 4 of the hybrid model's 40 layers, 80,000 at all 40.
+CORESIDENT_KV_MEMORY = 16 << 30
 
 
 # glibc's allocator on a CPU, fixed: freed memory up to 32 MiB a block is kept and reused, not unmapped and
@@ -95,14 +75,23 @@ class EngineTargetConfig(TargetConfig):
     # but not the server's CPU time). Default: cpu_score on a CPU, score on a GPU.
     objective: Literal["score", "cpu_score"] | None = None
     cpu_threads: int = Field(1, ge=1)  # torch threads of the probes' engines on a CPU: fixed, not racing
-    # Measure a candidate and the last kept state at the same time, their two servers on one core
-    # (interleaved by the OS every few milliseconds, so both see the same machine): default on a CPU,
-    # where the cores' speed drifts by 10-20% within seconds. Never on a GPU (one card, one server).
-    simultaneous_arms: bool | None = None
+    # How a candidate's samples pair with the last kept state's (orchestrator/pairing.py). auto: on a CPU
+    # simultaneous (both servers on one core, interleaved by the OS every few milliseconds, so both see the
+    # same machine, where the cores' speed drifts by 10-20% within seconds); on a GPU coresident (both
+    # servers alive on the card, each with a KV cache of `coresident_kv_memory`, sampled one after the other).
+    arms: Literal["auto", "sequential", "coresident", "simultaneous"] = "auto"
+    simultaneous_arms: bool | None = None  # older spelling: true is arms: simultaneous, false arms: sequential
+    coresident_kv_memory: int = Field(CORESIDENT_KV_MEMORY, ge=1 << 20)
     kernel_checks: Literal["full", "small", "none"] | None = None  # default: small on CPU, full on GPU
     correctness_timeout: float = Field(900, gt=0)
     serving_timeout: float = Field(1800, gt=0)
     startup_timeout: float = Field(300, gt=0)  # seconds until the engine server answers GET /health with 200
+
+    @model_validator(mode="after")
+    def _older_arms(self) -> "EngineTargetConfig":
+        if self.simultaneous_arms is not None and self.arms == "auto":
+            self.arms = "simultaneous" if self.simultaneous_arms else "sequential"
+        return self
 
 
 class EngineTarget(Target):
@@ -125,6 +114,11 @@ class EngineTarget(Target):
     def reference_path(self) -> Path:
         """Greedy completions of the baseline, recorded by the first correctness probe."""
         return self.state_dir / "engine-reference.json"
+
+    @property
+    def live_reference_path(self) -> Path:
+        """On a GPU: the baseline server's greedy completions, recorded by the run's first correctness probe."""
+        return self.state_dir / "engine-live-reference.json"
 
     def _overrides(self) -> dict[str, Any]:
         max_model_len = self.config.max_model_len or (GPU_MAX_MODEL_LEN if self.on_gpu() else None)
@@ -174,43 +168,60 @@ class EngineTarget(Target):
                               f"setup ({what}); use another state folder (--state) or remove that one")
 
     def default_probes(self) -> list[dict[str, Any]]:
-        """The configuration probe (what the engine would run here, engine.effective: a candidate that changes
-        none of it is not measured), the correctness probe (engines of its own, in-process: it needs the device
-        to itself), then the serving benchmark, which starts `python -m engine.server` of the workspace config unless aimed at a
-        running one (``probes_against``)."""
-        checks = self.config.kernel_checks or ("full" if self.on_gpu() else "small")
-        return [
-            {"name": "engine-config", "role": "configuration", "timeout": self.config.correctness_timeout,
-             "command": ["python", "-m", "engine.effective", "--config", str(self.workspace / SERVE_CONFIG)]},
-            {"name": "engine-correct", "role": "correctness", "timeout": self.config.correctness_timeout,
-             "command": ["python", "-m", "orchestrator.probes.engine_correct",
-                         "--reference", str(self.reference_path), "--kernel-checks", checks,
-                         *(["--compare-dtype", "float32"] if self.on_gpu() else [])]},
-            self._serving([]),
-        ]
+        """The configuration probe (what the engine would run here for this workload, engine.effective: a
+        candidate that changes none of it is not measured), the correctness probe, then the serving benchmark,
+        which starts `python -m engine.server` of the workspace config unless aimed at a running one
+        (``probes_against``). On a CPU the correctness probe runs engines of its own, exact against a float64
+        reference (it needs the machine to itself); on a GPU it talks to the state's live server, judged by
+        agreement with the baseline server's greedy outputs plus kernels.check of the kernels that server runs
+        (bf16 kernels round differently, and a random model has near-ties)."""
+        return [self._configuration(), self._correctness(None), self._serving(None)]
 
-    def _serving(self, source: list[str]) -> dict[str, Any]:
+    def _configuration(self) -> dict[str, Any]:
         w = self.workload
+        longest = round(w.input_len * (1 + w.range_ratio)) + round(w.output_len * (1 + w.range_ratio)) + 1
+        return {"name": "engine-config", "role": "configuration", "timeout": self.config.correctness_timeout,
+                "command": ["python", "-m", "engine.effective", "--config", str(self.workspace / SERVE_CONFIG),
+                            "--max-context", str(longest)]}
+
+    def _correctness(self, base_url: str | None) -> dict[str, Any]:
+        checks = self.config.kernel_checks or ("full" if self.on_gpu() else "small")
+        name, timeout = "engine-correct", self.config.correctness_timeout
+        if not self.on_gpu():
+            return {"name": name, "role": "correctness", "timeout": timeout,
+                    "command": ["python", "-m", "orchestrator.probes.engine_correct",
+                                "--reference", str(self.reference_path), "--kernel-checks", checks]}
+        source = (["--base-url", base_url] if base_url else
+                  ["--server-cmd", shlex.join(engine_server_argv(str(self.workspace / SERVE_CONFIG)))])
+        check = (f"python -m orchestrator.probes.engine_correct --reference {self.reference_path} "
+                 f"--kernel-checks {checks} --served {base_url}") if base_url else None
+        return {"name": name, "role": "correctness", "timeout": timeout,
+                "command": ["python", "-m", "orchestrator.probes.greedy", "--reference", str(self.live_reference_path),
+                            *source, "--startup-timeout", f"{self.config.startup_timeout:g}", "--mode", "agreement",
+                            "--max-early-fraction", "0.5", *(["--check-command", check] if check else [])]}
+
+    def _serving(self, base_url: str | None, server_pid: int | None = None) -> dict[str, Any]:
+        source = ["--base-url", base_url, *(["--server-pid", str(server_pid)] if server_pid else [])] if base_url else []
         return {"name": "serving", "role": "throughput", "timeout": self.config.serving_timeout,
                 "objective": self.objective,
                 "command": ["python", "-m", "orchestrator.probes.serving", *source,
-                            "--health-timeout", f"{self.config.startup_timeout:g}",
-                            "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),
-                            "--output-len", str(w.output_len),
-                            "--shared-prefix-fraction", str(w.shared_prefix_fraction),
-                            "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed),
-                            "--windows", str(w.windows), "--best-of", self.objective,
-                            *(["--warmup"] if w.warmup else [])]}
+                            "--health-timeout", f"{self.config.startup_timeout:g}", *self.workload.argv(),
+                            "--best-of", self.objective]}
+
+    def has_server(self) -> bool:
+        return True
 
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    simultaneous: bool = False) -> LiveServer:
+                    beside: str | None = None) -> LiveServer:
         """An unstarted engine server of the workspace's serve config (a free port on 127.0.0.1), its log
-        kept under the state folder; for a simultaneous comparison, pinned to the one core both arms share
-        (the engine reads its serve config and loads its code at start, so it serves that state however the
-        workspace changes afterwards)."""
-        argv = server_argv(str(self.workspace / SERVE_CONFIG), "{host}", "{port}")
-        if simultaneous and (cpu := shared_cpu()) is not None:
+        kept under the state folder (the engine reads its serve config and loads its code at start, so it
+        serves that state however the workspace changes afterwards). Beside a simultaneous arm it is pinned to
+        the one core both share; beside a co-resident one on a GPU its KV cache is `coresident_kv_memory`."""
+        argv = engine_server_argv(str(self.workspace / SERVE_CONFIG))
+        if beside == "simultaneous" and (cpu := shared_cpu()) is not None:
             argv += ["--cpu-affinity", str(cpu)]
+        if beside == "coresident" and self.on_gpu():
+            argv += ["--kv-cache-memory", str(self.config.coresident_kv_memory)]
         return LiveServer(argv, env=env, log_dir=self.server_logs, log_label=label)
 
     def probe_cpus(self) -> set[int] | None:
@@ -218,15 +229,21 @@ class EngineTarget(Target):
             return None
         return set(os.sched_getaffinity(0)) - {cpu}
 
-    def simultaneous_arms(self) -> bool:
-        if self.config.simultaneous_arms is not None:
-            return self.config.simultaneous_arms and not self.on_gpu()
-        return not self.on_gpu()
+    def pairing(self) -> str:
+        arms = self.config.arms
+        if arms == "auto":
+            return "coresident" if self.on_gpu() else "simultaneous"
+        if arms == "simultaneous" and self.on_gpu():
+            return "coresident"  # one card: two servers would each slow the other by its own load
+        return arms
+
+    def memory_keys(self) -> frozenset[str]:
+        return frozenset({"gpu-memory-utilization", "kv-cache-memory"}) if self.on_gpu() else frozenset()
 
     def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
-        """The serving benchmark aimed at an engine server running at ``base_url`` (with its pid: the
-        server's CPU time, for cpu_score)."""
-        return [self._serving(["--base-url", base_url, *(["--server-pid", str(server_pid)] if server_pid else [])])]
+        """The probes aimed at an engine server running at ``base_url`` (with its pid: the server's CPU time, for
+        cpu_score): the serving benchmark, and on a GPU the correctness probe."""
+        return [*([self._correctness(base_url)] if self.on_gpu() else []), self._serving(base_url, server_pid)]
 
     def on_gpu(self) -> bool:
         device = self.config.device or "auto"

@@ -19,8 +19,8 @@ from pydantic import Field, field_validator
 
 from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
+from orchestrator.probes.workload import Workload
 from orchestrator.targets.base import Target, TargetConfig
-from orchestrator.targets.engine import Workload
 
 
 class VllmWorkload(Workload):
@@ -161,15 +161,11 @@ class VllmTarget(Target):
             {"name": "greedy", "role": "correctness", "timeout": margin + c.check_timeout,
              "command": ["python", "-m", "orchestrator.probes.greedy", "--reference", str(self.reference_path),
                          *self._server_source(base_url), "--startup-timeout", startup, "--mode", c.correctness,
-                         "--check-kernels", "none", *model]},
+                         *model]},
             {"name": "serving", "role": "throughput", "timeout": margin + c.server_timeout, "objective": c.objective,
              "command": ["python", "-m", "orchestrator.probes.serving", *self._server_source(base_url),
                          *(["--server-pid", str(server_pid)] if base_url and server_pid else []),
-                         "--health-timeout", startup, *model,
-                         "--num-prompts", str(w.num_prompts), "--input-len", str(w.input_len),
-                         "--output-len", str(w.output_len), "--shared-prefix-fraction", str(w.shared_prefix_fraction),
-                         "--max-concurrency", str(w.max_concurrency), "--seed", str(w.seed),
-                         "--windows", str(w.windows), "--best-of", c.objective, *(["--warmup"] if w.warmup else [])]},
+                         "--health-timeout", startup, *model, *w.argv(), "--best-of", c.objective]},
         ]
 
     def default_probes(self) -> list[dict[str, Any]]:

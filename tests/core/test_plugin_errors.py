@@ -53,7 +53,7 @@ def test_each_bad_plugin_fails_alone_and_the_run_goes_on(tmp_path):
 
 PHASES = {"apply": ("orchestrator.steps.compute", "apply_failed", "applying"),
           "verify": ("orchestrator.stage.check", "verify_failed", "verifying"),
-          "probe": ("orchestrator.measure.judge_output", "probe_failed", "checking")}
+          "probe": ("orchestrator.prober.judge_output", "probe_failed", "checking")}
 
 
 @pytest.mark.parametrize("phase", sorted(PHASES))

@@ -67,10 +67,10 @@ class ScriptedJudge:
     pairs = 3
     verdict = "keep"
 
-    def __init__(self, policy):
+    def __init__(self, policy, noise=None):
         self.policy = policy
 
-    def decide(self, baseline, candidate, final):
+    def decide(self, baseline, candidate, final, starts=None, plan=None):
         ScriptedJudge.seen.append((list(baseline), list(candidate), final))
         if len(baseline) < ScriptedJudge.pairs and not final:
             return None
@@ -121,7 +121,7 @@ def test_sequential_adds_candidate_samples_until_the_judge_decides(tmp_path, mon
     seen = []
 
     class CandidateJudge(ScriptedJudge):
-        def decide(self, baseline, candidate, final):
+        def decide(self, baseline, candidate, final, starts=None, plan=None):
             seen.append((len(baseline), len(candidate), final))
             if len(candidate) < decide_at and not final:
                 return None

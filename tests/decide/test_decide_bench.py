@@ -3,11 +3,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from benchmarks import decisions as bench
-from orchestrator.decide import DEFAULTS
+from orchestrator.policy import Policy
 
 
 def cell(effect, cv, drift, trials=400, rule="stat", **policy):
-    p = SimpleNamespace(**{**DEFAULTS, **policy})
+    p = Policy(**policy)
     rng = np.random.default_rng(3)
     if rule == "stat":
         return bench.run_stat(p, effect, cv, drift, trials, rng)
@@ -19,7 +19,7 @@ def test_targets_at_three_percent_noise_with_drift():
     assert cell(0.0, 0.03, True).keep_rate <= 0.05
     assert cell(-0.05, 0.03, True).keep_rate <= 0.01
     big = cell(0.50, 0.03, True)
-    assert big.keep_rate == 1.0 and big.mean_samples == DEFAULTS["min_pairs"]
+    assert big.keep_rate == 1.0 and big.mean_samples == Policy().min_pairs
 
 
 def test_drift_fools_the_first_rule_but_not_the_judge():
@@ -44,7 +44,7 @@ def test_cli_writes_tables(tmp_path):
 
 
 def test_alternating_pair_order_cancels_the_lag_inside_pairs():
-    p = SimpleNamespace(**DEFAULTS)
+    p = Policy()
     lagged = bench.run_stat(p, 0.0, 0.001, True, 200, np.random.default_rng(1), span=6, order="ab")
     alternating = bench.run_stat(p, 0.0, 0.001, True, 200, np.random.default_rng(1), span=6, order="abba")
     assert lagged.verdicts.get("regressed", 0) > 0.3  # a slowing machine makes every candidate look slower

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from orchestrator.decide import (DEFAULTS, Decision, Judge, first_rule, outcome, paired_interval, verdict_for,
+from orchestrator.policy import Policy
+from orchestrator.decide import (Decision, Judge, first_rule, outcome, paired_interval, verdict_for,
                                  welch_interval)
 
 
 def policy(**kw):
-    return SimpleNamespace(**{**DEFAULTS, **kw})
+    return Policy(**kw)
 
 
 def judge_sequence(judge, baseline, candidate):
@@ -175,9 +176,10 @@ def test_a_non_positive_baseline_cannot_be_judged_by_ratios():
 def test_bad_samples_and_policies_raise_clear_errors():
     with pytest.raises(ValueError, match="candidate arm"):
         paired_interval(BASE[:3], [100.0, 0.0, 101.0], 0.95)
-    with pytest.raises(ValueError, match="policy.rule"):
+    # the judge's input is the policy model, which names the bad field
+    with pytest.raises(ValueError, match="(?s)^1 validation error for Policy\nrule"):
         Judge(policy(rule="median"))
-    with pytest.raises(ValueError, match="policy.confidence"):
+    with pytest.raises(ValueError, match="(?s)^1 validation error for Policy\nconfidence"):
         Judge(policy(confidence=95))
 
 

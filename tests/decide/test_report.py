@@ -7,7 +7,8 @@ from matplotlib.image import imread
 
 from orchestrator import fingerprint as fp
 from orchestrator import report
-from orchestrator.decide import DEFAULTS, Judge
+from orchestrator.decide import Judge
+from orchestrator.policy import Policy
 from orchestrator.store import Store
 
 GREEN, RED = np.array([0.173, 0.627, 0.173]), np.array([0.839, 0.153, 0.157])  # tab:green, tab:red
@@ -15,7 +16,7 @@ ORANGE = np.array([1.0, 0.498, 0.055])  # tab:orange
 
 
 def judged(baseline, candidate):
-    judge = Judge(SimpleNamespace(**DEFAULTS))
+    judge = Judge(Policy())
     for n in range(1, len(baseline) + 1):
         decision = judge.decide(baseline[:n], candidate[:n], final=n == len(baseline))
         if decision is not None:

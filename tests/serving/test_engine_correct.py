@@ -139,7 +139,7 @@ def test_bad_config_records_nothing(tmp_path, capsys):
 
 
 def test_failing_kernel_check_fails_the_probe(tmp_path):
-    checks = engine_correct.KernelChecks(load_config(config(tmp_path, "c")), "auto")
+    checks = engine_correct.KernelChecks.of(load_config(config(tmp_path, "c")), "auto")
     results = checks.run({"moe-dispatch": "sorted", "attention-decode": "no_such"})
     by_variant = {r["variant"]: r for r in results}
     assert by_variant["sorted"]["passed"] is True and by_variant["sorted"]["worst_error"] < 1e-4
@@ -196,7 +196,7 @@ def test_close_frees_the_model(tmp_path):
 def test_passed_kernel_checks_are_remembered_per_kernel_source(tmp_path, monkeypatch):
     cache = tmp_path / "checks.json"
     cfg = load_config(config(tmp_path, "c"))
-    first = engine_correct.KernelChecks(cfg, "auto", cache).run({"moe-dispatch": "sorted",
+    first = engine_correct.KernelChecks.of(cfg, "auto", cache).run({"moe-dispatch": "sorted",
                                                                  "attention-decode": "no_such"})
     assert [r.get("cached", False) for r in first] == [False, False]
     stored = json.loads(cache.read_text())
@@ -204,12 +204,12 @@ def test_passed_kernel_checks_are_remembered_per_kernel_source(tmp_path, monkeyp
     spawned = []
     real_popen = engine_correct.subprocess.Popen
     monkeypatch.setattr(engine_correct.subprocess, "Popen", lambda argv, **kw: spawned.append(argv) or real_popen(argv, **kw))
-    again = {r["variant"]: r for r in engine_correct.KernelChecks(cfg, "auto", cache).run(
+    again = {r["variant"]: r for r in engine_correct.KernelChecks.of(cfg, "auto", cache).run(
         {"moe-dispatch": "sorted", "attention-decode": "no_such"})}
     assert again["sorted"]["cached"] is True and again["sorted"]["passed"] is True
     assert again["no_such"]["passed"] is False and len(spawned) == 1  # only the failed one ran again
     monkeypatch.setattr(engine_correct, "kernels_digest", lambda: "changed-source")
-    rerun = engine_correct.KernelChecks(cfg, "auto", cache).run({"moe-dispatch": "sorted"})
+    rerun = engine_correct.KernelChecks.of(cfg, "auto", cache).run({"moe-dispatch": "sorted"})
     assert rerun[0].get("cached") is None and rerun[0]["passed"] and len(spawned) == 2
 
 

@@ -1,0 +1,197 @@
+"""An A/A test of one state: how much a throughput objective moves within a server's life and from one start to the
+next, and what that means for the run's decisions.
+
+`starts` fresh candidate servers of the state on disk are each measured for `pairs` pairs against the kept arm,
+exactly as a candidate would be (pairing.py): the kept state's server lives through all of them where the target
+keeps one alive, else each block has fresh servers on both sides. Each block is recorded as a step of kind
+`calibration` with its A/A decision: that block judged like a candidate, by the noise the other blocks measured
+(leave one out, so that no block judges itself). From all blocks: the spread of log(objective) within a start
+and between starts (noise.components), the pairs a block should take (noise.pairs_per_start), the starts and
+pairs a change of no effect needs before its interval lies inside the bar, and the false-keep rate of the
+judge's rule under that noise, simulated with and without counting the start effects.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import numpy as np
+
+from orchestrator import decide
+from orchestrator.context import RunContext
+from orchestrator.kept import KeptState
+from orchestrator.noise import Noise, components, pairs_needed, pairs_per_start, starts_needed
+from orchestrator.pairing import Together, choose
+from orchestrator.policy import Policy
+from orchestrator.prober import Arm, Prober, fingerprint
+from orchestrator.state_server import StateServer
+from orchestrator.store import loads
+
+KIND = "calibration"
+SIMULATIONS = 2000
+
+
+def label(block: int) -> str:
+    return f"(A/A {block + 1})"
+
+
+def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pairs: int) -> Noise:
+    """Run the A/A blocks on the state on disk (the kept state), record the calibration and return its noise."""
+    store = run.store
+    policy = run.project.policy.model_copy(update=dict(interleave=True, rule="stat", min_pairs=pairs, max_pairs=pairs,
+                                                       pairs_per_start=pairs, max_starts=1, calibrate=None))
+    pairing = choose(prober, policy, None, None)
+    mode = pairing.mode
+    kept.arm.show = None
+    blocks: list[dict[str, Any]] = []
+    for j in range(starts):
+        step_id = store.new_step(run.run_id, label(j), "measuring", kind=KIND, objective=prober.objective)
+        cand = Arm(list(kept.arm.holding))
+        if isinstance(pairing, Together):
+            cand.server = StateServer(run, pinned=mode)
+        elif mode == "sequential":  # one state on disk: a fresh server at each change of arm, as a candidate has
+            kept.arm.show = cand.show = prober.release
+        try:
+            verdict = pairing.measure(step_id, label(j), kept.arm, cand)
+        finally:
+            if cand.server is not None:
+                cand.server.stop()
+            prober.release()
+        logs = [math.log(c.value / b.value) for b, c in zip(verdict.base, verdict.cand)]
+        blocks.append({"step": step_id, "logs": logs, "base": [s.value for s in verdict.base],
+                       "cand": [s.value for s in verdict.cand],
+                       "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)]})
+    kept.arm.show = None
+    kept_restarted = mode in ("simultaneous", "sequential")
+    within, between, df = components([b["logs"] for b in blocks], kept_restarted)
+    start_s, pair_s = costs(store, run.run_id, [b["step"] for b in blocks])
+    noise = Noise(within, between, df, start_s, pair_s)
+    summary = judged_blocks(run, prober, blocks, kept_restarted, run.project.policy)
+    per_block = pairs_per_start(noise, run.project.policy.max_pairs)
+    bar = run.project.policy.min_gain
+    summary.update(
+        pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
+        simulated=simulate(noise, run.project.policy, per_block, kept_restarted),
+        blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks])
+    calibration_id = store.add_calibration(run.run_id, objective=prober.objective, pairing=mode, starts=starts,
+                                           pairs=pairs, within_sd=within, between_sd=between, between_df=df,
+                                           start_seconds=start_s, pair_seconds=pair_s, summary=summary,
+                                           fingerprint=fingerprint())
+    return Noise(within, between, df, start_s, pair_s, calibration_id)
+
+
+def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_restarted: bool,
+                  policy: Policy) -> dict[str, Any]:
+    """Each block's A/A decision, by the noise of the others (its step's decision and outcome)."""
+    kept = 0
+    for j, block in enumerate(blocks):
+        others = [b["logs"] for i, b in enumerate(blocks) if i != j]
+        try:
+            w, b, df = components(others, kept_restarted)
+            noise = Noise(w, b, df)
+        except ValueError:  # two blocks: one left cannot say how starts differ
+            noise = None
+        starts = [tuple(s) for s in block["starts"]]
+        d = decide.Judge(policy, noise).decide(block["base"], block["cand"], final=True, starts=starts)
+        outcome, reason = decide.outcome(d, (), policy)
+        kept += outcome == "kept"
+        run.store.add_decision(run.run_id, block["step"], prober.objective, d.to_dict(), [], policy.model_dump())
+        run.store.finish_step(block["step"], "measured", None if outcome == "kept" else reason,
+                              f"A/A: the state against itself on a fresh server: {d.verdict}, gain {d.gain:+.2%}"
+                              + (f" [{d.ci_low:+.2%}, {d.ci_high:+.2%}]" if d.ci_low is not None else ""),
+                              gain=d.gain, before_value=d.baseline_median, after_value=d.candidate_median)
+    return {"aa_judged": len(blocks), "aa_kept": kept}
+
+
+def costs(store, run_id: int, steps: list[int]) -> tuple[float | None, float | None]:
+    """Mean seconds from a live server's start to its first health answer, and of a judged pair of samples, over
+    the calibration's steps."""
+    servers = [p for p in store.servers(run_id) if p["step_id"] in steps and p.get("ready")]
+    start = statistics.mean(p["ready"] - p["started"] for p in servers) if servers else None
+    rows = [m for s in steps for m in store.measurements(s, run_id) if m["role"] == "throughput" and m["ok"]
+            and "warm-up" not in (m["arm"] or "")]
+    pair = 2 * statistics.mean(m["duration"] for m in rows) if rows else None
+    return start, pair
+
+
+def simulate(noise: Noise, policy: Policy, per_block: int, restarted: bool, effect: float = 0.0,
+             trials: int = SIMULATIONS, seed: int = 0) -> dict[str, float]:
+    """The keep rate of a change of relative `effect` under `noise`, judged by the run's rule (blocks of
+    `per_block` pairs on fresh servers, the first block's kept server shared unless `restarted`), counting the
+    start effects and, for comparison, ignoring them as a judge without a calibration does."""
+    rng = np.random.default_rng(seed)
+    policy = policy.model_copy(update=dict(interleave=True, rule="stat"))
+    budget = min(policy.max_pairs, per_block * policy.max_starts)
+    plan = (budget, -(-budget // per_block))
+    kept = {"counting": 0, "ignoring": 0}
+    for _ in range(trials):
+        offset = {}
+        for way, judge in (("counting", decide.Judge(policy, noise)), ("ignoring", decide.Judge(policy))):
+            base, cand, starts = [], [], []
+            for n in range(budget):
+                block = n // per_block
+                kb = ("k", block if (restarted or block) else "shared")
+                cb = ("c", block)
+                for key in (kb, cb):
+                    if key not in offset:
+                        offset[key] = rng.normal(0, noise.between)
+                base.append(math.exp(offset[kb] + rng.normal(0, noise.within)))
+                cand.append(math.exp(math.log1p(effect) + offset[cb] + rng.normal(0, noise.within)))
+                starts.append((kb, cb))
+                d = judge.decide(base, cand, final=n + 1 >= budget, starts=starts, plan=plan)
+                if d is not None:
+                    kept[way] += decide.outcome(d, (), policy)[0] == "kept"
+                    break
+    return {f"keep_rate_{way}": count / trials for way, count in kept.items()} | {"effect": effect}
+
+
+def latest(store, objective: str | None, pairing: str) -> Noise | None:
+    """The newest calibration of this objective and pairing taken in the environment measured now."""
+    from orchestrator.fingerprint import environment, is_stale
+    current = None
+    for row in store.calibrations():
+        if row["objective"] != objective or row["pairing"] != pairing:
+            continue
+        current = current or environment()
+        recorded = loads(row["fingerprint"])
+        if recorded and is_stale(recorded, current):
+            continue
+        return Noise(row["within_sd"], row["between_sd"], row["between_df"], row["start_seconds"], row["pair_seconds"],
+                     row["id"])
+    return None
+
+
+def run_calibration(project, plugins, store, journal, reporter=None, starts: int = 4, pairs: int = 2) -> int:
+    """`orchestrator calibrate`: a run of its own that measures the target as it is (its baseline probes once, then
+    the A/A blocks) and records the calibration; a signal or a crash leaves nothing changed (no step writes to the
+    target). Returns the run's id."""
+    from orchestrator.context import open_run
+    from orchestrator.deployment import Deployment
+    from orchestrator.errors import UserError
+    from orchestrator.prober import BaselineFailed
+    from orchestrator.recovery import recover
+    from orchestrator.stage import Stager
+
+    ctx = open_run(project, store, journal, "calibrate", reporter)
+    prober = Prober(ctx, plugins)
+    if not prober.throughput:
+        store.finish_run(ctx.run_id, "failed", "no throughput probe: nothing to calibrate")
+        raise UserError("the project has no throughput probe: there is nothing to calibrate")
+    deployment = Deployment(store, journal)
+    kept = KeptState.of(list(deployment.rows()))
+    try:
+        try:
+            Stager(ctx, prober, kept, deployment).baseline()
+            calibrate(ctx, prober, kept, starts, pairs)
+        finally:
+            kept.release()
+            prober.release()
+    except BaseException as e:
+        if isinstance(e, BaselineFailed):
+            store.finish_run(ctx.run_id, "failed", str(e))
+            return ctx.run_id
+        recover(store, journal, "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", repr(e), own=True)
+        raise
+    store.finish_run(ctx.run_id, "finished")
+    return ctx.run_id

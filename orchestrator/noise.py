@@ -1,0 +1,95 @@
+"""Two levels of noise in a throughput objective, and the measurement design they call for.
+
+A server's start fixes part of its speed for its whole life (where the OS and the driver put its memory, which
+kernels its autotuner picked, how warm the card was), and each sample adds noise of its own. In logs:
+
+    log(objective) = effect of the state + start effect (sd `between`) + sample noise (sd `within`)
+
+Pairs taken on the same two servers cancel drift, but not the two servers' start effects: however many pairs
+they take, their difference stays in every pair. So a decision on one start per arm carries `between` in full,
+and only more starts shrink it. `orchestrator calibrate` measures both levels with an A/A test of one state
+(calibrate.py); the judge widens its interval by the start effects the pairs carry (decide.py), and
+`pairs_per_start` says when fresh servers pay for themselves. Pure functions, no I/O.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Noise:
+    within: float  # sd of log(objective) between samples of one server's life
+    between: float  # sd of log(objective) between starts of one state
+    between_df: int  # degrees of freedom of `between` (A/A blocks - 1)
+    start_seconds: float | None = None  # mean time from a server's start to its first answer
+    pair_seconds: float | None = None  # mean time of a pair of samples
+    calibration: int | None = None  # its id in the history
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Noise":
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+
+def components(blocks: Sequence[Sequence[float]], kept_restarted: bool) -> tuple[float, float, int]:
+    """(within, between, between_df) from A/A blocks of pair log ratios log(candidate / kept).
+
+    Each block holds the pairs of one fresh candidate start against the kept state's server, which serves every
+    block unless `kept_restarted` (then each block has a fresh one too). Within a block a pair's log ratio varies
+    by 2 within²; a block's mean varies by c between² + 2 within² / m (m pairs; c = 2 when both servers are
+    fresh per block, 1 when the kept one is shared, whose constant start effect then cancels between blocks).
+    Method of moments, as in a one-way analysis of variance; a negative between-start estimate is 0."""
+    blocks = [np.asarray(b, dtype=float) for b in blocks if len(b)]
+    if len(blocks) < 2 or all(len(b) < 2 for b in blocks):
+        raise ValueError("calibration needs at least two blocks, one of them with two pairs or more")
+    n = sum(len(b) for b in blocks)
+    pooled = sum(float(((b - b.mean()) ** 2).sum()) for b in blocks) / (n - len(blocks))
+    means = np.array([b.mean() for b in blocks])
+    spread = float(means.var(ddof=1))
+    carried = pooled * float(np.mean([1.0 / len(b) for b in blocks]))
+    c = 2.0 if kept_restarted else 1.0
+    between = math.sqrt(max(0.0, spread - carried) / c)
+    return math.sqrt(pooled / 2), between, len(blocks) - 1
+
+
+def pairs_per_start(noise: Noise, max_pairs: int) -> int:
+    """Pairs each block of fresh servers should take before the next block starts; `max_pairs` or more means one
+    block for the whole decision.
+
+    k blocks of m pairs, both arms on fresh servers in each, estimate the effect with variance
+    (2 between² + 2 within² / m) / k at a cost of k (2 start + m pair) seconds. The product is least at
+    m = within / between · sqrt(2 start / pair), the classic optimum of two-stage sampling: the larger the
+    start effects against the sample noise, the sooner new servers pay for themselves."""
+    if noise.between <= 0:
+        return max_pairs
+    start = noise.start_seconds if noise.start_seconds and noise.start_seconds > 0 else 1.0
+    pair = noise.pair_seconds if noise.pair_seconds and noise.pair_seconds > 0 else 1.0
+    m = noise.within / noise.between * math.sqrt(2 * start / pair)
+    return max(2, min(max_pairs, round(m)))
+
+
+def starts_needed(noise: Noise, pairs: int, bar: float, z: float = 1.96) -> int | None:
+    """Blocks (fresh servers of both arms, `pairs` pairs each) before a change of no effect is shown to lie below
+    the bar `bar` (relative): its interval's half-width under log(1 + bar); None beyond 100."""
+    target = math.log1p(bar) / z
+    per_block = 2 * noise.between ** 2 + 2 * noise.within ** 2 / pairs
+    if per_block == 0:
+        return 1
+    k = math.ceil(per_block / target ** 2)
+    return k if k <= 100 else None
+
+
+def pairs_needed(noise: Noise, bar: float, z: float = 1.96) -> int | None:
+    """Pairs on one pair of servers before a change of no effect shows an interval inside the bar, counting the
+    sample noise only (the start effects of those two servers stay in every pair); None beyond 100."""
+    target = math.log1p(bar) / z
+    if noise.within == 0:
+        return 2
+    n = math.ceil(2 * noise.within ** 2 / target ** 2)
+    return max(2, n) if n <= 100 else None

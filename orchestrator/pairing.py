@@ -1,0 +1,299 @@
+"""The ways to pair a candidate's samples with the last kept state's, and the one loop that takes pairs until
+the judge decides.
+
+- `Sequential`: one state on disk and one live server at a time. Each pair reverses the order of the one before
+  (C B, B C, C B, ...): a lag within a pair favours each arm equally often, and consecutive samples of one arm
+  share a server start. Where two servers cannot live side by side.
+- `Together`: each arm has a live server of its own, started on its state and alive for the whole block of
+  pairs, pinned (it has read its state, so it serves that state whatever is on disk). `coresident`: sampled one
+  after the other in the same C B, B C order (one GPU); the kept state's server stays alive from one candidate
+  to the next. `simultaneous`: both samples of a pair measured at once from one agreed instant (START_AT_ENV),
+  both servers on one core while the probes run on the others (Target.probe_cpus): the OS interleaves them every
+  few milliseconds, so a core whose speed drifts by 10-20% within seconds slows both alike.
+- `Reused`: `interleave: false`: the kept state's samples reused as the baseline arm, the candidate's taken one
+  after the other (Welch's interval).
+
+Pairs come in blocks of `pairs_per_start` on the same servers; each further block starts fresh servers for both
+arms, so that the servers' start effects, which no pair cancels, vary between blocks and the judge counts them
+(noise.py); at most `max_starts` blocks a decision.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from orchestrator import decide
+from orchestrator.context import RunContext
+from orchestrator.noise import Noise, pairs_per_start
+from orchestrator.policy import MAX_SAMPLES, Policy
+from orchestrator.prober import START_AT_ENV, Arm, ArmFailed, Prober, Sample, Verdict, failure
+from orchestrator.probes.runner import ProbeResult, ProcessResult, kill_group, run_process
+from orchestrator.state_server import StateServer
+
+SIMULTANEOUS_LEAD = 3.0  # seconds from starting a simultaneous pair's probes to their common window
+# Fresh simultaneous servers run their first window slower, and not alike (first-use allocations, lazy imports):
+# both serve one pair of their own prompts (this pair index plus the judged pairs before it, which no judged
+# pair reaches) before their first judged pair, stored as warm-up samples.
+WARM_UP_PAIR = MAX_SAMPLES
+SERVERS_EVERY = 3  # judged pairs per pair of simultaneous servers when nothing calibrated says otherwise
+
+
+class Pairing:
+    """Pairs until the judge decides. Subclasses say how a block starts and how a pair is taken."""
+
+    mode = "sequential"
+
+    def __init__(self, prober: Prober, policy: Policy, noise: Noise | None = None):
+        self.prober = prober
+        self.run: RunContext = prober.run
+        self.policy = policy
+        self.noise = noise
+
+    def per_block(self) -> int:
+        """Pairs on one pair of servers before the next block starts fresh ones."""
+        if self.policy.pairs_per_start:
+            return self.policy.pairs_per_start
+        if self.noise is not None:
+            return pairs_per_start(self.noise, self.policy.max_pairs)
+        return self.policy.max_pairs
+
+    def measure(self, step_id: int | None, name: str, base: Arm, cand: Arm) -> Verdict:
+        """The candidate (on disk when called: its correctness probes just ran) against the kept state."""
+        judge = decide.Judge(self.policy, self.noise)
+        per_block = self.per_block()
+        budget = min(self.policy.max_pairs, per_block * self.policy.max_starts)
+        base_s: list[Sample] = []
+        cand_s: list[Sample] = []
+        self.begin(step_id, name, base, cand)
+        while True:
+            n = len(base_s)
+            if n and n % per_block == 0:
+                self.new_block(step_id, n, name, base, cand)
+            b, c = self.pair(step_id, n, name, base, cand)
+            base_s.append(b)
+            cand_s.append(c)
+            starts = [(x.server if x.server is not None else f"b{i}", y.server if y.server is not None else f"c{i}")
+                      for i, (x, y) in enumerate(zip(base_s, cand_s))]
+            d = judge.decide([s.value for s in base_s], [s.value for s in cand_s], final=n + 1 >= budget,
+                             starts=starts, plan=(budget, -(-budget // per_block)))
+            if d is not None:
+                return Verdict(step_id, d, base_s, cand_s)
+
+    def begin(self, step_id: int | None, name: str, base: Arm, cand: Arm) -> None:
+        """Before the first pair."""
+
+    def new_block(self, step_id: int | None, n: int, name: str, base: Arm, cand: Arm) -> None:
+        """Before pair `n`, the first of a block after the first."""
+
+    def pair(self, step_id: int | None, n: int, name: str, base: Arm, cand: Arm) -> tuple[Sample, Sample]:
+        raise NotImplementedError
+
+
+class Sequential(Pairing):
+    """One state on disk at a time; its probes share the disk's live server, restarted when the state changes."""
+
+    def begin(self, step_id, name, base, cand):
+        self.on_disk = cand
+
+    def per_block(self) -> int:
+        return self.policy.max_pairs  # every change of arm starts a server already
+
+    def pair(self, step_id, n, name, base, cand):
+        out: dict[int, Sample] = {}
+        for arm, label in (((cand, "candidate"), (base, "baseline")) if n % 2 == 0 else
+                           ((base, "baseline"), (cand, "candidate"))):
+            if arm is not self.on_disk:
+                arm.put_on_disk()
+                self.on_disk = arm
+            out[id(arm)] = self.prober.sample(step_id, arm, label, n, name)
+        return out[id(base)], out[id(cand)]
+
+
+class Together(Pairing):
+    """Both arms on live servers of their own, alive for a whole block; the candidate's is started on its state
+    (on disk when called), the kept state's is reused when alive, else started on its state."""
+
+    def __init__(self, prober: Prober, policy: Policy, noise: Noise | None = None, mode: str = "coresident"):
+        super().__init__(prober, policy, noise)
+        self.mode = mode
+
+    def per_block(self) -> int:
+        if not self.policy.pairs_per_start and self.noise is None and self.mode == "simultaneous":
+            return SERVERS_EVERY
+        return super().per_block()
+
+    def arm_server(self, arm: Arm) -> StateServer:
+        if arm.server is None:
+            arm.server = StateServer(self.run, pinned=self.mode)
+        return arm.server
+
+    def ensure(self, step_id: int | None, n: int, name: str, base: Arm, cand: Arm, fresh: bool) -> None:
+        """Both servers up (`fresh`: both restarted), the candidate's first; the candidate's state on disk after."""
+        if fresh:
+            for arm in (cand, base):
+                if arm.server is not None:
+                    arm.server.stop()
+        started = False
+        for arm, label in ((cand, "candidate"), (base, "baseline")):
+            server = self.arm_server(arm)
+            if server.up:
+                continue
+            if arm is base:
+                base.put_on_disk()
+            self.prober.start(arm, label, step_id, n, name)
+            started = True
+            if arm is base:
+                cand.put_on_disk()
+        if started and self.mode == "simultaneous":
+            self.pair(step_id, WARM_UP_PAIR + n, name, base, cand, warm_up=True)
+
+    def begin(self, step_id, name, base, cand):
+        if self.prober.disk.up:
+            self.prober.release()  # whatever served the state on disk before has no part in this
+        self.ensure(step_id, 0, name, base, cand, fresh=self.mode == "simultaneous")
+
+    def new_block(self, step_id, n, name, base, cand):
+        self.ensure(step_id, n, name, base, cand, fresh=True)
+
+    def pair(self, step_id, n, name, base, cand, warm_up: bool = False):
+        arms = {"baseline": base, "candidate": cand}
+        for label, arm in arms.items():  # a server gone between pairs cannot be replaced: another serves the disk's
+            if crash := arm.server.crashed() or (None if arm.server.up else f"the {label} arm's live server is gone"):
+                spec = self.prober.throughput[0]
+                raise ArmFailed("crashed", f"{label} arm, probe {spec.name}: {crash}", spec,
+                                ProbeResult(False, "crashed", crash, {"error": crash, "reason": "crashed"}))
+        if self.mode == "simultaneous":
+            samples = self.at_once(step_id, n, name, arms, warm_up)
+            return samples["baseline"], samples["candidate"]
+        order = ("candidate", "baseline") if n % 2 == 0 else ("baseline", "candidate")
+        out = {label: self.prober.sample(step_id, arms[label], label, n, name) for label in order}
+        return out["baseline"], out["candidate"]
+
+    def at_once(self, step_id: int | None, n: int, plugin: str, arms: dict[str, Arm],
+                warm_up: bool = False) -> dict[str, Sample]:
+        """One simultaneous pair: each throughput probe run on both arms' servers at once (on threads; the
+        database is written from this one, which records the processes as the threads report them). A warm-up
+        pair is stored under the arms `candidate warm-up` and `baseline warm-up` and judged by no one."""
+        metrics: dict[str, dict] = {label: {} for label in arms}
+        values: dict[str, float | None] = {label: None for label in arms}
+        served: dict[str, int | None] = {label: None for label in arms}
+        for spec in self.prober.throughput:
+            self.run.reporter.phase(plugin, f"probe {spec.name} (both arms #{n + 1})")
+            start_at = time.time() + SIMULTANEOUS_LEAD
+            jobs = {}
+            for label, arm in arms.items():
+                env = {**self.prober.env(spec, arm, n, plugin), START_AT_ENV: f"{start_at:.3f}"}
+                command = spec.command
+                if arm.server.serves(spec):
+                    command, env = arm.server.aim(spec, env, step_id, label, plugin)
+                jobs[label] = (command, env)
+            results = self.run_together(jobs, spec, step_id)
+            for label, arm in arms.items():
+                out = self.prober.judged(spec, results[label], step_id, f"{label} warm-up" if warm_up else label, n,
+                                         arm.server)
+                if not out.ok:
+                    raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}",
+                                    spec, out)
+                metrics[label].update({k: v for k, v in out.metrics.items() if k not in metrics[label]})
+                if values[label] is None:
+                    values[label], served[label] = out.value, out.server
+        for arm in arms.values():
+            arm.server.samples += 1
+        return {label: Sample(values[label], metrics[label], served[label]) for label in arms}
+
+    def run_together(self, jobs: dict[str, tuple[list[str], dict[str, str]]], spec,
+                     step_id: int | None) -> dict[str, ProcessResult]:
+        """Run one probe command per arm at the same time; their process rows are written here as they start
+        and end (the store belongs to this thread), and the run's heartbeat goes on meanwhile."""
+        events: queue.Queue = queue.Queue()
+        record = self.run.recorder(step_id)
+        cpus = self.run.project.target.probe_cpus()
+
+        def launch(arm: str, command: list[str], env: dict[str, str]) -> ProcessResult:
+            def on_start(pid: int, create_time: float):
+                if cpus:
+                    try:  # just started: one thread, whose later ones inherit this
+                        os.sched_setaffinity(pid, cpus)
+                    except OSError:
+                        pass
+                events.put(("start", arm, pid, create_time))
+                return lambda: events.put(("end", arm, None, None))
+            return run_process(command, self.run.project.base_dir, env, spec.timeout, on_start=on_start,
+                               tmp_dir=self.run.tmp)
+
+        ends: dict[str, Callable[[], None]] = {}
+
+        def drain(pids: list[int]) -> None:
+            while True:
+                try:
+                    kind, arm, pid, create_time = events.get_nowait()
+                except queue.Empty:
+                    return
+                if kind == "start":
+                    pids.append(pid)
+                    ends[arm] = record(f"probe {spec.name} ({arm})", pid, create_time)
+                elif arm in ends:
+                    ends.pop(arm)()
+
+        started = time.monotonic()
+        pids: list[int] = []
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            futures = {arm: pool.submit(launch, arm, *job) for arm, job in jobs.items()}
+            try:
+                while not all(f.done() for f in futures.values()):
+                    drain(pids)
+                    self.run.tick(time.monotonic() - started, "")
+                    time.sleep(0.05)
+            except BaseException:  # SIGTERM, Ctrl-C: end the probes now, not at their timeout
+                drain(pids)
+                for pid in pids:
+                    kill_group(pid, pid)
+                raise
+        drain(pids)
+        return {arm: f.result() for arm, f in futures.items()}
+
+
+class Reused(Pairing):
+    """`interleave: false`: the kept state's samples (taken once, `repeats` of them) against candidate samples
+    added one at a time; the rule `first` takes `repeats` of each."""
+
+    mode = "reused"
+
+    def __init__(self, prober: Prober, policy: Policy, kept_samples: list[Sample] | None):
+        super().__init__(prober, policy, None)
+        self.kept_samples = kept_samples
+
+    def measure(self, step_id, name, base, cand):
+        if self.kept_samples is None:
+            base.put_on_disk()
+            self.kept_samples = [self.prober.sample(step_id, base, "baseline", i, name)
+                                 for i in range(self.policy.repeats)]
+            cand.put_on_disk()
+        b = [s.value for s in self.kept_samples]
+        cand_s: list[Sample] = []
+        if self.policy.rule == "first":
+            cand_s = [self.prober.sample(step_id, cand, "candidate", i, name) for i in range(self.policy.repeats)]
+            return Verdict(step_id, decide.first_rule(b, [s.value for s in cand_s], self.policy.min_gain),
+                           self.kept_samples, cand_s)
+        judge = decide.Judge(self.policy)
+        while True:
+            cand_s.append(self.prober.sample(step_id, cand, "candidate", len(cand_s), name))
+            d = judge.decide(b, [s.value for s in cand_s], final=len(cand_s) >= self.policy.max_pairs)
+            if d is not None:
+                return Verdict(step_id, d, self.kept_samples, cand_s)
+
+
+def choose(prober: Prober, policy: Policy, noise: Noise | None, kept_samples: list[Sample] | None,
+           one_at_a_time: bool = False) -> Pairing:
+    """The pairing for a comparison on this target: `one_at_a_time` where the candidate changes what sizes a
+    server's memory (the side-by-side servers' fixed budgets would hide it), or where no probe talks to a
+    server the arms could each have."""
+    if not policy.interleave:
+        return Reused(prober, policy, kept_samples)
+    mode = prober.run.project.target.pairing()
+    if mode == "sequential" or one_at_a_time or not any(prober.serves(s) for s in prober.throughput):
+        return Sequential(prober, policy, noise)
+    return Together(prober, policy, noise, mode)

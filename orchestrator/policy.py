@@ -1,0 +1,70 @@
+"""How a candidate is measured and judged: the `policy:` section of orchestrator.yaml, the judge's input.
+
+Its defaults are written here once; the per-plugin `accept:` block overrides any field."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+MAX_SAMPLES = 100  # upper bound of repeats and pairs: each one is a probe run, often minutes long
+
+
+class Calibrate(BaseModel):
+    """An A/A test of the state the run starts from, taken before anything is staged when no calibration of this
+    environment is recorded: `starts` fresh candidate servers of that state, `pairs` pairs each against the kept
+    state's server (orchestrator/calibrate.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    starts: int = Field(4, ge=3, le=50)
+    pairs: int = Field(2, ge=2, le=20)
+
+
+class Policy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    repeats: int = Field(3, ge=1)  # baseline samples of the run; samples per arm for rule: first
+    min_gain: float = Field(0.02, ge=0)
+    interleave: bool = True  # pairs (B A, A B, ...) rather than the kept state's samples reused
+    min_pairs: int = Field(3, ge=1)
+    max_pairs: int = Field(8, ge=1)
+    confidence: float = Field(0.95, gt=0, lt=1)
+    rule: Literal["stat", "first"] = "stat"
+    on_inconclusive: Literal["rollback", "keep"] = "rollback"
+    implausible_factor: float = Field(3.0, gt=1)
+    guardrails: dict[str, str] = Field(default_factory=dict)
+    # Server starts: a decision's pairs come in blocks, each on fresh servers of both arms. `pairs_per_start`
+    # pairs a block (None: as the calibration plans it, else one block for the whole decision); at most
+    # `max_starts` blocks a decision.
+    pairs_per_start: Optional[int] = Field(None, ge=1)
+    max_starts: int = Field(3, ge=1, le=MAX_SAMPLES)
+    calibrate: Optional[Calibrate] = None
+
+    @field_validator("repeats", "min_pairs", "max_pairs")
+    @classmethod
+    def _bounded(cls, value: int) -> int:
+        if value > MAX_SAMPLES:
+            raise ValueError(f"{value} is more than the limit of {MAX_SAMPLES} samples per arm: each is a probe run, "
+                             "and the judge's interval narrows little after a few dozen")
+        return value
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "Policy":
+        if self.min_pairs > self.max_pairs:
+            raise ValueError(f"min_pairs ({self.min_pairs}) exceeds max_pairs ({self.max_pairs})")
+        if self.guardrails:  # the judge's module (and scipy) is imported only when there is something to parse
+            from orchestrator.decide import parse_guardrails
+            parse_guardrails(self.guardrails)
+        return self
+
+    def merged(self, overrides: "Accept | None") -> "Policy":
+        if overrides is None:
+            return self
+        return Policy.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
+
+
+# Every policy field, optional: the per-plugin `accept:` block.
+Accept = create_model(
+    "Accept",
+    __config__=ConfigDict(extra="forbid"),
+    **{name: (Optional[f.annotation], None) for name, f in Policy.model_fields.items()},
+)

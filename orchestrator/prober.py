@@ -1,0 +1,257 @@
+"""Running the project's probes on one arm's state and storing what each one read: the only writer of
+measurements. A probe that talks to a server is aimed at that arm's live server (its own, pinned, when the arm has
+one; else the server of the state on disk, started on demand); any other runs with no server of the state on disk
+alive. The caller puts states on disk; this module never changes the target."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from orchestrator.config import ProbeSpec
+from orchestrator.context import RunContext
+from orchestrator.plugin import NUMERICS_ENV, Plugin, numerics_env
+from orchestrator.probes.runner import ProbeResult, ProcessResult, judge_output, run_process
+from orchestrator.state_server import ServerFailed, StateServer
+from orchestrator.store import dumps
+
+# A throughput sample's pair index (its `repeat`), for probes: the serving probe offsets its workload's seed by
+# it, so both samples of a pair send the same prompts and no two pairs do. A server that serves the last sample
+# of one pair and the first of the next (A B, B A) thus never finds the earlier sample's prompts in its prefix
+# cache, which would make the later sample faster than its partner on a fresh server.
+PAIR_ENV = "ORCHESTRATOR_PAIR"
+# Both samples of a simultaneous pair begin their measured window at one instant (seconds since the epoch).
+START_AT_ENV = "ORCHESTRATOR_START_AT"
+# The first sample on a fresh live server warms it up first (the serving probe's warm-up batch), outside its
+# window: per-shape compilation and first-use allocations would otherwise fall in the first sample only.
+WARMUP_ENV = "ORCHESTRATOR_WARMUP"
+
+
+class BaselineFailed(Exception):
+    """The run's baseline cannot be measured: nothing can be judged against it."""
+
+
+class EnvironmentFailed(Exception):
+    """A probe the candidate failed fails on the last kept state too: the run stops, blaming no plugin."""
+
+
+class ArmFailed(Exception):
+    """A throughput probe failed while measuring one arm; `reason` is the probe's (timeout, crashed, ...)."""
+
+    def __init__(self, reason: str, message: str, spec: ProbeSpec, result: ProbeResult):
+        super().__init__(message)
+        self.reason = reason
+        self.spec = spec
+        self.result = result
+
+
+@dataclass
+class Sample:
+    value: float
+    metrics: dict[str, Any]
+    server: int | None = None  # the live server that served it (its processes row), or None
+
+
+@dataclass(eq=False)
+class Arm:
+    """One side of a comparison: a state (the plugins it holds), how to put it on disk, and its own live server
+    where the pairing gives it one (pinned: it lives beside the other arm's, whatever is on disk). What a sample
+    of it is labelled (baseline, candidate, control) is the caller's to say: the kept state is the candidate
+    arm of a final re-validation."""
+    holding: list[str]
+    show: Callable[[], None] | None = None  # puts this arm's state on disk (None: it is on disk already)
+    server: StateServer | None = None
+
+    def put_on_disk(self) -> None:
+        if self.show is not None:
+            self.show()
+
+
+@dataclass
+class Verdict:
+    step_id: int | None
+    decision: Any  # decide.Decision, or None when nothing was measured
+    base: list[Sample] = field(default_factory=list)
+    cand: list[Sample] = field(default_factory=list)
+
+
+def medians(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
+    keys = set.intersection(*(set(s) for s in samples)) if samples else set()
+    return {k: statistics.median(s[k] for s in samples) for k in sorted(keys)
+            if all(isinstance(s[k], (int, float)) and not isinstance(s[k], bool) for s in samples)}
+
+
+def failure(out: ProbeResult) -> str:
+    """The probe's verdict and the last lines it wrote, for the step's detail."""
+    proc = out.process
+    lines = [ln.strip() for ln in ((proc.stderr_tail or proc.stdout_tail) if proc else "").splitlines() if ln.strip()]
+    return out.message + (f" (output: {' | '.join(lines[-2:])[-300:]})" if lines else "")
+
+
+def fingerprint() -> dict | None:
+    try:
+        from orchestrator.fingerprint import environment
+        return environment()
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a broken fingerprint must not stop a measurement
+        return {"error": repr(e)}
+
+
+class Prober:
+    """The project's probes for one run. `disk` is the live server of the state on disk, shared by the probes of
+    an arm that has no server of its own; `release` stops it."""
+
+    def __init__(self, run: RunContext, plugins: Iterable[Plugin] = ()):
+        self.run = run
+        self.store = run.store
+        probes = run.project.probes
+        self.configuration = [p for p in probes if p.role == "configuration"]
+        self.correctness = [p for p in probes if p.role == "correctness"]
+        self.throughput = [p for p in probes if p.role == "throughput"]
+        self.objective = self.throughput[0].objective if self.throughput else None
+        self.plugins = {p.id: p for p in plugins}
+        self.disk = StateServer(run)
+
+    def release(self) -> None:
+        """Stop the live server of the state on disk, if one is up."""
+        self.disk.stop()
+
+    def serves(self, spec: ProbeSpec) -> bool:
+        return self.disk.serves(spec)
+
+    def env(self, spec: ProbeSpec, arm: Arm, repeat: int, plugin: str) -> dict[str, str]:
+        """The probe environment of the arm's state: its plugins that change numerics (NUMERICS_ENV), and for a
+        throughput probe the pair index."""
+        env = self.run.env(plugin)
+        for name in (NUMERICS_ENV, PAIR_ENV, START_AT_ENV, WARMUP_ENV):
+            env.pop(name, None)
+        env.update(numerics_env([self.plugins[i] for i in arm.holding if i in self.plugins]))
+        if spec.role == "throughput":
+            env[PAIR_ENV] = str(repeat)
+        return env
+
+    def server_of(self, arm: Arm) -> StateServer:
+        return arm.server if arm.server is not None else self.disk
+
+    def start(self, arm: Arm, label: str, step_id: int | None, repeat: int, plugin: str) -> None:
+        """Start the arm's own server on its state, which is on disk; ArmFailed when it does not come up."""
+        spec = next((s for s in [*self.throughput, *self.correctness] if arm.server.serves(s)), None)
+        if spec is None:
+            return
+        started = time.monotonic()
+        try:
+            arm.server.start(self.env(spec, arm, repeat, plugin), step_id, label, plugin)
+        except ServerFailed as e:
+            out = self.server_failed(spec, e, step_id, label, repeat, time.monotonic() - started)
+            raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}",
+                            spec, out) from None
+
+    def probe(self, spec: ProbeSpec, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str,
+              extra_env: dict[str, str] | None = None) -> ProbeResult:
+        """Run one probe on the arm's state and store its measurement under `label`."""
+        self.run.reporter.phase(plugin, f"probe {spec.name} ({label} #{repeat + 1})")
+        env = {**self.env(spec, arm, repeat, plugin), **(extra_env or {})}
+        command = spec.command
+        server = self.server_of(arm)
+        if server.serves(spec):
+            started = time.monotonic()
+            try:
+                command, env = server.aim(spec, env, step_id, label, plugin)
+            except ServerFailed as e:
+                return self.server_failed(spec, e, step_id, label, repeat, time.monotonic() - started)
+            self.run.reporter.phase(plugin, f"probe {spec.name} ({label} #{repeat + 1})")
+        else:
+            self.disk.stop()  # the probe may need the device to itself
+        on_start = self.run.recorder(step_id)
+        result = run_process(command, self.run.project.base_dir, env, spec.timeout,
+                             on_start=lambda pid, ct: on_start(f"probe {spec.name}", pid, ct),
+                             on_tick=self.run.tick, tmp_dir=self.run.tmp)
+        return self.judged(spec, result, step_id, label, repeat, server)
+
+    def judged(self, spec: ProbeSpec, result: ProcessResult, step_id: int | None, label: str, repeat: int,
+               server: StateServer) -> ProbeResult:
+        """A finished probe run judged by the probe protocol and stored; a server it talked to that failed is
+        stopped (a server that misbehaved is not reused: the next probe starts another)."""
+        out = judge_output(spec.role, spec.objective, result, spec.timeout)
+        served = server.start_id if server.serves(spec) and server.up else None
+        if not out.ok and server.serves(spec):
+            if crash := server.crashed():
+                out.reason, out.message = "crashed", f"{out.message}; {crash}"
+            server.stop()
+        self.store.add_measurement(run_id=self.run.run_id, step_id=step_id, probe=spec.name, role=spec.role,
+                                   arm=label, repeat=repeat, ok=int(out.ok), reason=out.reason, value=out.value,
+                                   metrics=out.metrics, duration=result.duration, returncode=result.returncode,
+                                   stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail,
+                                   fingerprint=fingerprint() if spec.role == "throughput" else None, server=served)
+        out.server = served
+        return out
+
+    def server_failed(self, spec: ProbeSpec, e: ServerFailed, step_id: int | None, label: str, repeat: int,
+                      waited: float) -> ProbeResult:
+        """The live server a probe needed did not start: that probe's failure, `crashed` or `timeout`, stored with
+        the server log's tail as its output and the time spent waiting for it as its duration."""
+        message = f"the live server did not start: {e.summary}"
+        tail = e.tail[-4000:]
+        out = ProbeResult(False, e.reason, message, {"error": message, "reason": e.reason},
+                          process=ProcessResult(None, e.reason == "timeout", waited, tail, ""))
+        self.store.add_measurement(run_id=self.run.run_id, step_id=step_id, probe=spec.name, role=spec.role, arm=label,
+                                   repeat=repeat, ok=0, reason=out.reason, value=None, metrics=out.metrics,
+                                   duration=waited, returncode=None, stdout_tail=tail, stderr_tail="",
+                                   fingerprint=None)
+        return out
+
+    def sample(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str,
+               extra_env: dict[str, str] | None = None) -> Sample:
+        """One measurement of the arm's state: every throughput probe once, metrics merged. The first sample on
+        a fresh live server warms it up first (WARMUP_ENV)."""
+        metrics: dict[str, Any] = {}
+        value, served = None, None
+        server = self.server_of(arm)
+        fresh = {WARMUP_ENV: "1"} if not server.up or server.samples == 0 else {}
+        for spec in self.throughput:
+            out = self.probe(spec, step_id, arm, label, repeat, plugin, {**fresh, **(extra_env or {})})
+            if not out.ok:
+                raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}",
+                                spec, out)
+            metrics.update({k: v for k, v in out.metrics.items() if k not in metrics})
+            if value is None:
+                value, served = out.value, out.server
+        if server.up:
+            server.samples += 1
+        return Sample(value, metrics, served)
+
+    def configuration_of(self, step_id: int | None, arm: Arm, label: str, plugin: str
+                         ) -> tuple[dict[str, dict], tuple[ProbeSpec, ProbeResult] | None]:
+        """Each configuration probe's result line on the arm's state, by probe name, with the first failure."""
+        read: dict[str, dict] = {}
+        for spec in self.configuration:
+            out = self.probe(spec, step_id, arm, label, 0, plugin)
+            if not out.ok:
+                return read, (spec, out)
+            read[spec.name] = out.metrics
+        return read, None
+
+    def failed_correctness(self, step_id: int | None, arm: Arm, label: str,
+                           plugin: str) -> tuple[ProbeSpec, ProbeResult] | None:
+        """The first correctness probe that fails on the arm's state, with its result; None when all pass."""
+        for spec in self.correctness:
+            out = self.probe(spec, step_id, arm, label, 0, plugin)
+            if not out.ok:
+                return spec, out
+        return None
+
+    def record(self, verdict: Verdict, policy, vetoes: Sequence[str] = ()) -> None:
+        """Store the decision, the policy it was taken under and any guardrail vetoes."""
+        self.store.add_decision(self.run.run_id, verdict.step_id, self.objective, verdict.decision.to_dict(),
+                                list(vetoes), policy.model_dump())
+
+
+def numbers(v: Verdict) -> dict[str, Any]:
+    """The step's columns for a verdict: gain, objective before and after, metric medians of each arm."""
+    d = v.decision
+    return dict(gain=d.gain if d else None,
+                before_value=d.baseline_median if d else None, after_value=d.candidate_median if d else None,
+                metrics=dumps(medians([s.metrics for s in v.cand])) if v.cand else None,
+                baseline_metrics=dumps(medians([s.metrics for s in v.base])) if v.base else None)
