@@ -269,11 +269,13 @@ BASELINE_SHOWN = ("score", "cpu_score", "output_throughput", "duration", "mean_t
 def show_status(data: dict) -> None:
     from orchestrator.status import calibration_lines, revalidation_lines, steps_table
     if data["baseline"]:
-        console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in data["baseline"].items()
-                                                if k in BASELINE_SHOWN), highlight=False, soft_wrap=True)
+        shown = {k: v for k, v in data["baseline"].items() if k in BASELINE_SHOWN} or data["baseline"]
+        console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()), highlight=False,
+                      soft_wrap=True)
     for line in calibration_lines(data):
         console.print(line, highlight=False, soft_wrap=True)
-    console.print(steps_table(data))
+    if data["steps"] or data["run"]["command"] != "calibrate":
+        console.print(steps_table(data))
     for line in revalidation_lines(data):
         console.print(line, highlight=False, soft_wrap=True)
 

@@ -1,4 +1,4 @@
-"""A run's story for people: a Markdown report with a chart of the objective at each stage.
+"""A run's story for people: a Markdown report with a forest plot of its decisions.
 
 Reads only the store (opened read-only, so it works while a run is going) and writes two files,
 ``run-<id>.md`` and ``run-<id>.png``; both are written to temporary names first and renamed
@@ -7,6 +7,7 @@ only once both exist, so a failure leaves the output folder as it was.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import statistics
 import tempfile
@@ -42,18 +43,8 @@ class Stage:
     samples: dict[str, list[float]] = field(default_factory=dict)
     fingerprint: dict | None = None
 
-    @property
-    def level(self) -> tuple[float, float | None, float | None] | None:
-        """Candidate objective with its interval, in objective units: the baseline median scaled by the effect."""
-        d = self.decision
-        if not d or d.get("baseline_median") is None:
-            return None
-        base = d["baseline_median"]
-        if d.get("gain") is None:
-            return (d.get("candidate_median"), None, None) if d.get("candidate_median") is not None else None
-        low, high = d.get("ci_low"), d.get("ci_high")
-        return (base * (1 + d["gain"]), None if low is None else base * (1 + low),
-                None if high is None else base * (1 + high))
+    starts: list[float] = field(default_factory=list)  # seconds each live server started in it took to answer
+    sampled: list[float] = field(default_factory=list)  # seconds of each throughput sample
 
 
 def _objective_samples(rows: list[dict]) -> dict[str, list[float]]:
@@ -75,6 +66,8 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
             raise ReportError(f"{db_path}: no run with id {run_id}")
         steps = store.steps(run_id)
         decisions = store.decisions_for(s["id"] for s in steps)
+        servers = store.servers(run_id)
+        calibration = store.calibration_of(run_id)
         stages, objective = [], None
         for step in steps:
             row = decisions.get(step["id"])
@@ -82,7 +75,11 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
             prints = [loads(m["fingerprint"]) for m in measurements if m.get("fingerprint")]
             stage = Stage(label(step), step["kind"], step["outcome"], step["reason"], step["detail"],
                           loads(step["params"]), step["duration"], samples=_objective_samples(measurements),
-                          fingerprint=prints[-1] if prints else None)
+                          fingerprint=prints[-1] if prints else None,
+                          starts=[p["ready"] - p["started"] for p in servers if p["step_id"] == step["id"]
+                                  and p.get("ready")],
+                          sampled=[m["duration"] for m in measurements if m["role"] == "throughput"
+                                   and m["duration"] is not None])
             if row is not None:
                 stage.decision = loads(row["decision"]) or {k: row[k] for k in row}
                 stage.vetoes = loads(row["vetoes"]) or []
@@ -93,6 +90,8 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
         baseline = _objective_samples(store.measurements(None, run_id))
     finally:
         store.close()
+    if calibration is not None:
+        run = {**run, "calibration": calibration}
     return run, baseline, stages, objective
 
 
@@ -109,56 +108,57 @@ def _baseline_value(run: dict, baseline: dict[str, list[float]], stages: list[St
     return None
 
 
+def _log_gain(g: float) -> float:
+    return math.log1p(max(g, -0.99))
+
+
 def chart(run: dict, baseline: dict[str, list[float]], stages: list[Stage], objective: str | None, path: Path) -> None:
-    """Baseline, then each measured stage: kept in green on the deployment's line, rolled back in red off it."""
-    fig = Figure(figsize=(max(6.0, 1.1 * (len(stages) + 2)), 4.2), dpi=110)
+    """A forest plot: each measured decision's gain with its interval, on a log-ratio axis (a halving and a
+    doubling lie equally far from 0), the bar as a dashed line; kept in green, rolled back in red, re-measurements
+    and A/A blocks in orange. One row a decision, sized to be read as it is."""
+    rows = [s for s in stages if s.decision and s.decision.get("gain") is not None]
+    height = 1.3 + 0.3 * max(1, len(rows))
+    fig = Figure(figsize=(8.0, height), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    labels, line_x, line_y = [], [], []
-    base = _baseline_value(run, baseline, stages, objective)
-    if base is not None:
-        value, low, high = base
-        _point(ax, 0, value, low, high, "tab:blue", "o", "baseline")
-        line_x.append(0)
-        line_y.append(value)
-    labels.append("baseline")
-    x = 0
-    for stage in stages:
-        level = stage.level
-        if level is None:
-            continue
-        x += 1
-        value, low, high = level
-        if stage.outcome == "kept":
-            labels.append(stage.plugin)
-            _point(ax, x, value, low, high, "tab:green", "o", "kept")
-            line_x.append(x)
-            line_y.append(value)
-        elif stage.outcome == "rolled_back":
-            labels.append(f"{stage.plugin}\n({stage.reason})")
-            _point(ax, x, value, low, high, "tab:red", "x", "rolled back")
-        else:  # measured but not (yet) an outcome: a run in progress, or a re-validation of the stack
-            labels.append(f"{stage.plugin}\n({stage.outcome or 'unfinished'})")
-            _point(ax, x, value, low, high, "tab:orange", "D", "measured")
-    if line_x:
-        ax.step(line_x + [x], line_y + [line_y[-1]], where="post", color="0.6", lw=1, zorder=0, label="deployed")
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(objective or "objective")
-    ax.set_title(f"Run {run['id']}: {objective or 'objective'} at each stage ({run['status']})")
+    colours = {"kept": "tab:green", "rolled_back": "tab:red"}
+    bars = set()
+    span = [0.0, 0.0]
+    for y, stage in enumerate(reversed(rows)):
+        d = stage.decision
+        colour = colours.get(stage.outcome or "", "tab:orange")
+        x = _log_gain(d["gain"])
+        low = _log_gain(d["ci_low"]) if d.get("ci_low") is not None else None
+        high = _log_gain(d["ci_high"]) if d.get("ci_high") is not None else None
+        if low is not None and high is not None:
+            ax.hlines(y, low, high, color=colour, lw=2)
+            span = [min(span[0], low), max(span[1], high)]
+        ax.plot([x], [y], marker="o" if stage.outcome == "kept" else "D" if colour == "tab:orange" else "x",
+                color=colour, ms=7, mew=2, label={"tab:green": "kept", "tab:red": "rolled back"}.get(colour, "measured"))
+        span = [min(span[0], x), max(span[1], x)]
+        if d.get("min_gain") is not None:
+            bars.add(d["min_gain"])
+    for bar in bars:
+        ax.axvline(_log_gain(bar), color="0.3", ls="--", lw=1, label=f"bar {bar:+.0%}")
+    ax.axvline(0, color="0.75", lw=1)
+    labels = [s.plugin + (f" [{','.join(f'{k}={v}' for k, v in s.params.items())}]" if s.params else "")
+              for s in reversed(rows)]
+    ax.set_yticks(range(len(rows)), labels, fontsize=9)
+    ax.set_ylim(-0.7, max(0.7, len(rows) - 0.3))
+    low, high = span[0] - 0.05, span[1] + 0.05
+    ax.set_xlim(low, high)
+    ticks = [t for t in (-0.9, -0.5, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+             if low <= _log_gain(t) <= high]
+    ax.set_xticks([_log_gain(t) for t in ticks], [f"{t:+.0%}" if t else "0" for t in ticks], fontsize=8)
+    ax.set_xlabel(f"gain in {objective or 'the objective'} (log scale), with its interval")
+    ax.set_title(f"Run {run['id']} ({run['status']}): each decision's gain", fontsize=10)
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles))
     if unique:
-        ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
-    ax.grid(axis="y", alpha=0.3)
+        ax.legend(unique.values(), unique.keys(), fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")
-
-
-def _point(ax, x, value, low, high, color, marker, label):
-    err = None
-    if low is not None and high is not None:
-        err = [[max(0.0, value - low)], [max(0.0, high - value)]]
-    ax.errorbar([x], [value], yerr=err, fmt=marker, color=color, capsize=4, ms=7, label=label)
 
 
 def _num(value: Any, fmt: str = ".4g") -> str:
@@ -200,10 +200,24 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
         verdict = "beats" if final.decision.get("verdict") == "keep" else "is NOT better than"
         out.append(f"Final re-validation: the kept stack as a whole {verdict} the run's baseline "
                    f"({_pct(final.decision.get('gain'))}); rows `(without X)` give each plugin's contribution.")
+    if (c := run.get("calibration")) is not None:
+        summary = loads(c["summary"]) or {}
+        sim = summary.get("simulated") or {}
+        out += ["", "## Calibration (A/A)", "",
+                f"{c['starts']} fresh servers of the state, {c['pairs']} pairs each against the kept state's "
+                f"({c['pairing']}): the spread of log {c['objective']} is {c['within_sd']:.2%} within a server's life "
+                f"and {c['between_sd']:.2%} between starts ({c['between_df']} degrees of freedom); a start takes "
+                f"{_num(c['start_seconds'], '.1f')} s and a pair {_num(c['pair_seconds'], '.1f')} s.", "",
+                f"- A/A decisions kept: {summary.get('aa_kept')} of {summary.get('aa_judged')}",
+                f"- a change of no effect is kept in {sim.get('keep_rate_counting', 0):.1%} of simulated decisions "
+                f"under this noise, {sim.get('keep_rate_ignoring', 0):.1%} by a judge that ignores the start effects",
+                f"- pairs per start: {summary.get('pairs_per_start')}; to show a change of no effect below the bar: "
+                f"{summary.get('pairs_needed') or 'over 100'} pairs on one pair of servers (sample noise only), "
+                f"{summary.get('starts_needed') or 'over 100'} starts"]
     out += ["",
-            f"![{objective or 'objective'} at each stage]({chart_name})", "",
-            "Bars: each candidate's confidence interval (the baseline's: the range of its samples); "
-            "the grey line is the deployed objective.", "",
+            f"![each decision's gain in {objective or 'the objective'}]({chart_name})", "",
+            "Each row: a decision's gain with its interval (the A/A blocks of a calibration, too); the dashed line "
+            "is the bar a gain must clear to be kept.", "",
             "| plugin | outcome | reason | gain | interval | samples (base/cand) | baseline | candidate | rule |",
             "|---|---|---|---:|---|---:|---:|---:|---|"]
     for s in stages:
@@ -235,7 +249,9 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
         for arm, values in sorted(s.samples.items()):
             out.append(f"- {arm} samples: " + ", ".join(_num(v) for v in values))
         if s.duration is not None:
-            out.append(f"- took {s.duration:.1f} s")
+            out.append(f"- took {s.duration:.1f} s" + (f": {len(s.starts)} server start(s), {sum(s.starts):.1f} s; "
+                                                       f"{len(s.sampled)} sample(s), {sum(s.sampled):.1f} s"
+                                                       if s.starts or s.sampled else ""))
         if s.outcome == "kept" and s.fingerprint is not None and fp.is_stale(s.fingerprint, current):
             out.append(f"- stale: measured under another environment ({fp.describe(s.fingerprint, current)})")
     return "\n".join(out) + "\n"

@@ -137,8 +137,11 @@ class VllmTarget(Target):
             argv += ["--served-model-name", self.config.served_model_name]
         return argv + list(self.config.serve_args)
 
+    def has_server(self) -> bool:
+        return True
+
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    simultaneous: bool = False) -> LiveServer:
+                    beside: str | None = None) -> LiveServer:
         """An unstarted server of the serve config as it is on disk now (a free port on 127.0.0.1),
         with the target's stop grace period and a log kept under the state folder. For a caller
         that wants one start to serve several probes: ``start()``, ``wait_healthy(startup_timeout)``,

@@ -98,7 +98,7 @@ target:
   num_layers: 1
   kernel_checks: none
   objective: cpu_score
-  simultaneous_arms: {simultaneous}
+  arms: {arms}
   workload: {{num_prompts: 8, input_len: 32, output_len: 16, max_concurrency: 8}}
 plugins: plugins
 state: state
@@ -114,9 +114,9 @@ apply:
 """
 
 
-def stage_wider_batch(folder: Path, simultaneous: bool, **extra_env: str) -> subprocess.CompletedProcess:
-    """`orchestrator run` of STAGED_CONFIG with the wider-batch plugin in `folder`."""
-    (folder / "orchestrator.yaml").write_text(STAGED_CONFIG.format(simultaneous=str(simultaneous).lower()))
+def stage_wider_batch(folder: Path, arms: str, **extra_env: str) -> subprocess.CompletedProcess:
+    """`orchestrator run` of STAGED_CONFIG (its pairing `arms`) with the wider-batch plugin in `folder`."""
+    (folder / "orchestrator.yaml").write_text(STAGED_CONFIG.format(arms=arms))
     (folder / "plugins" / "wider-batch").mkdir(parents=True)
     (folder / "plugins" / "wider-batch" / "plugin.yaml").write_text(WIDER_BATCH)
     return subprocess.run([PY, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"], cwd=folder,

@@ -12,7 +12,7 @@ from orchestrator.config import load
 from serving_support import STAGED_CONFIG, alive_with, query, stage_wider_batch
 
 def test_both_arms_are_measured_at_once_on_servers_that_live_through_the_comparison(tmp_path):
-    run = stage_wider_batch(tmp_path, simultaneous=True)
+    run = stage_wider_batch(tmp_path, "simultaneous")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
     assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
@@ -60,13 +60,13 @@ def test_both_arms_are_measured_at_once_on_servers_that_live_through_the_compari
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores to mean anything")
 def test_a_simultaneous_engine_server_runs_every_thread_on_the_shared_core(tmp_path):
-    (tmp_path / "orchestrator.yaml").write_text(STAGED_CONFIG.format(simultaneous="true"))
+    (tmp_path / "orchestrator.yaml").write_text(STAGED_CONFIG.format(arms="simultaneous"))
     (tmp_path / "plugins").mkdir()
     project = load(tmp_path / "orchestrator.yaml")
     target = project.target
     target.prepare()
-    assert target.simultaneous_arms()
-    server = target.live_server(simultaneous=True).start()
+    assert target.pairing() == "simultaneous"
+    server = target.live_server(beside="simultaneous").start()
     try:
         server.wait_healthy(300)
         tids = os.listdir(f"/proc/{server.pid}/task")
@@ -78,13 +78,56 @@ def test_a_simultaneous_engine_server_runs_every_thread_on_the_shared_core(tmp_p
     assert "--cpu-affinity" not in plain.argv
 
 
-def test_simultaneous_arms_are_off_on_a_gpu_and_where_the_config_says_so(tmp_path):
+def test_the_pairing_is_simultaneous_on_a_cpu_coresident_on_a_gpu_and_as_the_config_says(tmp_path):
     (tmp_path / "plugins").mkdir()
-    default = STAGED_CONFIG.format(simultaneous="x").replace("  simultaneous_arms: x\n", "")
-    for text, expected in ((default, True), (STAGED_CONFIG.format(simultaneous="false"), False),
-                           (STAGED_CONFIG.format(simultaneous="true"), True)):
+    cases = [("auto", "cpu", "simultaneous"), ("sequential", "cpu", "sequential"), ("coresident", "cpu", "coresident"),
+             ("simultaneous", "cpu", "simultaneous"), ("auto", "cuda", "coresident"),
+             ("simultaneous", "cuda", "coresident"), ("sequential", "cuda", "sequential")]
+    for arms, device, expected in cases:
+        (tmp_path / "orchestrator.yaml").write_text(STAGED_CONFIG.format(arms=arms).replace("device: cpu",
+                                                                                            f"device: {device}"))
+        assert load(tmp_path / "orchestrator.yaml").target.pairing() == expected, (arms, device)
+    # the older spelling still reads
+    for old, expected in (("true", "simultaneous"), ("false", "sequential")):
+        text = STAGED_CONFIG.format(arms="auto").replace("  arms: auto\n", f"  simultaneous_arms: {old}\n")
         (tmp_path / "orchestrator.yaml").write_text(text)
-        assert load(tmp_path / "orchestrator.yaml").target.simultaneous_arms() is expected
-    gpu = STAGED_CONFIG.format(simultaneous="true").replace("device: cpu", "device: cuda")
+        assert load(tmp_path / "orchestrator.yaml").target.pairing() == expected
+    # beside a co-resident server on a GPU the KV cache is a fixed share; never on a CPU
+    gpu = STAGED_CONFIG.format(arms="auto").replace("device: cpu", "device: cuda")
     (tmp_path / "orchestrator.yaml").write_text(gpu)
-    assert load(tmp_path / "orchestrator.yaml").target.simultaneous_arms() is False
+    target = load(tmp_path / "orchestrator.yaml").target
+    argv = target.live_server(beside="coresident").argv
+    assert argv[argv.index("--kv-cache-memory") + 1] == str(16 << 30)
+    assert "--kv-cache-memory" not in target.live_server().argv
+    assert target.memory_keys() == {"gpu-memory-utilization", "kv-cache-memory"}
+
+
+def test_coresident_servers_live_through_the_whole_decision_and_the_kept_one_serves_the_next(tmp_path):
+    """As on a GPU, one after the other: the baseline's server is the kept state's and stays up through the
+    candidate's decision; the candidate's server, started once, serves its correctness probes and pairs with no
+    restart, and once kept serves the final re-validation."""
+    run = stage_wider_batch(tmp_path, "coresident")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
+    assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
+    procs = query(tmp_path, "SELECT p.id, coalesce(s.plugin, 'baseline') AS plugin, p.what, p.started, p.ready, "
+                            "p.ended FROM processes p LEFT JOIN steps s ON s.id = p.step_id ORDER BY p.id")
+    servers = [p for p in procs if p["what"].startswith("live server")]
+    assert [(p["plugin"], p["what"]) for p in servers] == [
+        ("baseline", "live server (baseline)"), ("wider-batch", "live server (candidate)"),
+        ("(final)", "live server (baseline)")]
+    kept, cand, original = servers
+    probes = [p for p in procs if p["plugin"] == "wider-batch" and p["what"].startswith("probe serving")]
+    assert len(probes) == 4  # two pairs, one after the other
+    assert kept["ready"] < cand["started"] < cand["ready"] < min(p["started"] for p in probes)
+    assert kept["ended"] >= max(p["ended"] for p in probes)  # the kept state's server lived through the decision
+    final = [p for p in procs if p["plugin"] == "(final)" and p["what"].startswith("probe serving")]
+    assert cand["ended"] >= max(p["ended"] for p in final) > min(p["started"] for p in final) > original["ready"]
+    samples = query(tmp_path, "SELECT coalesce(s.plugin, 'baseline') AS plugin, m.arm, m.server FROM measurements m "
+                              "LEFT JOIN steps s ON s.id = m.step_id WHERE m.probe = 'serving' ORDER BY m.id")
+    by = lambda plugin, arm: {m["server"] for m in samples if m["plugin"] == plugin and m["arm"] == arm}
+    assert by("baseline", "baseline") == by("wider-batch", "baseline") == {kept["id"]}
+    assert by("wider-batch", "candidate") == by("(final)", "candidate") == {cand["id"]}
+    assert by("(final)", "baseline") == {original["id"]}
+    assert alive_with(str(tmp_path)) == []
+    assert query(tmp_path, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0

@@ -15,7 +15,7 @@ GUARD = Path(__file__).resolve().parent / "device_guard"
 
 def test_one_engine_server_per_state_never_beside_another_engine(tmp_path):
     guard = tmp_path / "device.log"
-    run = stage_wider_batch(tmp_path, simultaneous=False, DEVICE_GUARD=str(guard),
+    run = stage_wider_batch(tmp_path, "sequential", DEVICE_GUARD=str(guard),
                             PYTHONPATH=os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 

@@ -110,12 +110,15 @@ def test_the_server_failing_to_start_says_why(served):
 
 
 def test_deployed_kernel_shims_are_checked(served, tmp_path):
-    """A shim naming a kernel variant that does not exist fails the probe even when outputs match."""
+    """A shim naming a kernel variant that does not exist fails the probe, through the target's kernel check
+    (--check-command), even when outputs match."""
     probe, folder = served
     package = tmp_path / "vllm"
     package.mkdir()
     (package / "_orchestrator_broken.py").write_text('OP, VARIANT = "paged_decode", "no_such_variant"\n')
-    rc, out, _ = probe("--lengths", "3", "--max-tokens", "4", ORCHESTRATOR_ROOT_VLLM=str(package))
+    check = f"{sys.executable} -m orchestrator.targets.vllm check-kernels"
+    rc, out, _ = probe("--lengths", "3", "--max-tokens", "4", "--check-command", check,
+                       ORCHESTRATOR_ROOT_VLLM=str(package))
     assert rc == 1 and out["recorded"] and "kernels.check failed" in out["error"]
     assert [(c.get("passed"), "no_such_variant" in json.dumps(c)) for c in out["kernel_checks"]] == [(False, True)]
 

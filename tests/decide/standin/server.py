@@ -1,0 +1,58 @@
+"""A stand-in live server whose speed is fixed at start: the state's speed (`speed.txt` in the folder it serves,
+read once) times a factor drawn for this start (uniform in 1 ± SPREAD), times a little noise per sample. Start k
+of a run (counted in $STANDIN_STARTS, a file) draws its factor from seed k, so runs repeat exactly.
+
+    python server.py --port P     # GET /health, GET /sample -> {"ops": ...}
+"""
+import argparse
+import fcntl
+import json
+import os
+import random
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+SPREAD = float(os.environ.get("STANDIN_SPREAD", "0.10"))  # per-start factor: uniform in 1 +- SPREAD
+WITHIN = float(os.environ.get("STANDIN_WITHIN", "0.01"))  # per-sample noise: sd of a normal factor
+
+
+def start_index() -> int:
+    path = Path(os.environ["STANDIN_STARTS"])
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        k = len(f.read().split())
+        f.write(f"{os.getpid()}\n")
+    return k
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args()
+    speed = float(Path("speed.txt").read_text().split()[0])
+    rng = random.Random(start_index())
+    factor = 1 + rng.uniform(-SPREAD, SPREAD)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                body = b""
+            elif self.path == "/sample":
+                body = json.dumps({"ops": speed * factor * rng.gauss(1, WITHIN)}).encode()
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

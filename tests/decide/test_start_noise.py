@@ -1,0 +1,111 @@
+"""Decisions on live servers whose speed is fixed at each start (±10%, uniform) but varies little within one:
+the A/A calibration separates the two spreads, and a run that judges by it keeps a real +25% change and no
+change of no effect, at a few server starts per plugin. Real CLI, real HTTP servers, a real SQLite history."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN = Path(__file__).parent / "standin"
+SPREAD, WITHIN = 0.10, 0.01
+BETWEEN = 2 * SPREAD / math.sqrt(12)  # sd of a uniform factor in 1 ± SPREAD (log ≈ relative at this size)
+NO_OPS = 10
+
+
+def project(tmp: Path, plugins: dict[str, str | None], policy: dict) -> Path:
+    """A files target served by the stand-in; each plugin either sets the state's speed or adds a note file."""
+    (tmp / "target").mkdir(parents=True)
+    (tmp / "plugins").mkdir()
+    (tmp / "target" / "speed.txt").write_text("1.0\n")
+    for order, (plugin, speed) in enumerate(plugins.items()):
+        folder = tmp / "plugins" / plugin
+        (folder / "files").mkdir(parents=True)
+        if speed is None:
+            (folder / "files" / "note.txt").write_text(f"{plugin}\n")
+            apply = [{"deploy": {"src": "files/note.txt", "dest": f"{plugin}.txt"}}]
+        else:
+            apply = [{"replace": {"path": "speed.txt", "old": "1.0", "new": speed}}]
+        (folder / "plugin.yaml").write_text(yaml.safe_dump({"id": plugin, "order": order, "apply": apply}))
+    config = {"target": {"kind": "files", "root": "target",
+                         "server": {"command": ["python", str(STANDIN / "server.py"), "--port", "{port}"],
+                                    "arms": "coresident"}},
+              "plugins": "plugins", "state": "state",
+              "probes": [{"name": "speed", "role": "throughput", "objective": "ops", "server": True, "timeout": 30,
+                          "command": ["python", str(STANDIN / "probe.py")]}],
+              "policy": policy}
+    (tmp / "orchestrator.yaml").write_text(yaml.safe_dump(config))
+    return tmp
+
+
+def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "STANDIN_STARTS": str(root / "starts.txt"),
+           "STANDIN_SPREAD": str(SPREAD), "STANDIN_WITHIN": str(WITHIN)}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--config", "orchestrator.yaml"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def rows(root: Path, sql: str) -> list[dict]:
+    db = sqlite3.connect(root / "state" / "orchestrator.db")
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute(sql)]
+    finally:
+        db.close()
+
+
+def test_calibration_separates_the_spread_within_a_start_from_the_spread_between_starts(tmp_path):
+    root = project(tmp_path, {}, {"min_gain": 0.02})
+    out = cli(root, "calibrate", "--starts", "8", "--pairs", "3").stdout
+    [c] = rows(root, "SELECT * FROM calibrations")
+    assert WITHIN / 2 <= c["within_sd"] <= WITHIN * 2, c
+    assert BETWEEN / 2 <= c["between_sd"] <= BETWEEN * 2, c
+    assert (c["starts"], c["pairs"], c["pairing"], c["between_df"]) == (8, 3, "coresident", 7)
+    summary = json.loads(c["summary"])
+    # under start effects this large a judge that ignores them keeps many no-ops; counting them, few
+    assert summary["simulated"]["keep_rate_ignoring"] > 0.05
+    assert summary["simulated"]["keep_rate_counting"] <= 0.025
+    assert summary["aa_judged"] == 8 and summary["aa_kept"] == 0
+    assert summary["pairs_per_start"] == 2  # fresh servers pay for themselves at once
+    assert "between starts" in out and "A/A decisions kept: 0 of 8" in out
+    # the kept state's server served every block; each block had a candidate server of its own
+    servers = rows(root, "SELECT * FROM processes WHERE what LIKE 'live server%' ORDER BY id")
+    assert len(servers) == 1 + 8 and all(s["ready"] >= s["started"] for s in servers)
+    kept = servers[0]
+    blocks = rows(root, "SELECT * FROM steps WHERE kind = 'calibration' ORDER BY id")
+    assert len(blocks) == 8 and all(b["outcome"] == "measured" for b in blocks)
+    assert kept["ended"] >= max(b["finished"] for b in blocks)
+    status = json.loads(cli(root, "status", "--json").stdout)
+    assert status["calibration"]["aa_kept"] == 0 and len(status["calibration"]["blocks"]) == 8
+
+
+def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
+    plugins = {f"no-op-{i}": None for i in range(NO_OPS // 2)}
+    plugins["faster"] = "1.25"
+    plugins.update({f"no-op-{i}": None for i in range(NO_OPS // 2, NO_OPS)})
+    policy = {"min_gain": 0.02, "min_pairs": 2, "max_pairs": 6, "max_starts": 3, "calibrate": {"starts": 6, "pairs": 2}}
+    root = project(tmp_path, plugins, policy)
+    cli(root, "run")
+    steps = {s["plugin"]: s for s in rows(root, "SELECT * FROM steps WHERE kind = 'attempt'")}
+    assert steps["faster"]["outcome"] == "kept", steps["faster"]
+    false_keeps = [p for p, s in steps.items() if p.startswith("no-op") and s["outcome"] == "kept"]
+    assert len(false_keeps) <= NO_OPS // 10, false_keeps
+    # every decision's interval counted the calibrated start effects
+    decisions = [json.loads(d["decision"]) for d in rows(root, "SELECT d.decision FROM decisions d JOIN steps s "
+                                                               "ON s.id = d.step_id WHERE s.kind = 'attempt'")]
+    assert len(decisions) == NO_OPS + 1 and all(d["between"] and d["ci_low"] is not None for d in decisions)
+    starts = len((root / "starts.txt").read_text().split())
+    in_attempts = rows(root, "SELECT count(*) AS n FROM processes p JOIN steps s ON s.id = p.step_id "
+                             "WHERE p.what LIKE 'live server%' AND s.kind = 'attempt'")[0]["n"]
+    assert in_attempts / (NO_OPS + 1) <= 4, in_attempts
+    assert starts / (NO_OPS + 1) <= 5, starts  # with the calibration, the baseline and the final re-validation
+    assert rows(root, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
