@@ -6,13 +6,17 @@
 # the status JSON, the log and the database are written to $OUT after every poll, and the report (Markdown
 # and PNG) once the run has ended.
 # The machine keeps /tmp only while it stays up, so the calls must follow each other without a pause.
+# The run works from a copy of the project in /tmp/proj: each command on such a machine re-copies the working tree,
+# which would pull the code from under a run started inside it.
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+TREE=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=/tmp/proj
 RUN=${RUN_DIR:-/tmp/main-job}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH="$ROOT:/tmp/site" PYTHONUNBUFFERED=1
 orch() { (cd "$RUN" && python3 -m orchestrator.cli "$@"); }
 if [ "${1:-poll}" = start ]; then
   shift
+  rm -rf "$ROOT" && cp -r "$TREE" "$ROOT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl || exit 9
   mkdir -p "$RUN"
   nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader

@@ -256,6 +256,16 @@ class Stager:
         base.holding, base.show = kept_ids, lambda: self.journal.show(step_id, "pre")
         cand.holding, cand.show = [*kept_ids, plugin.id], lambda: self.journal.show(step_id, "post")
         read: dict | None = None
+        pinned = self.run.project.target.pairing()
+        if (pinned == "coresident" and self.prober.configuration and self.run.project.policy.interleave
+                and any(self.prober.serves(s) for s in self.prober.throughput)):
+            # the candidate's own server starts while its configuration probe runs (a start costs seconds on a
+            # GPU); a candidate that turns out unmeasured, or to be measured one server at a time, stops it
+            cand.server = StateServer(self.run, pinned=pinned)
+            try:
+                self.prober.start(cand, "candidate", step_id, 0, name, wait=False)
+            except ArmFailed:
+                cand.server = None  # the correctness probe starts it again, and fails as the probe it is
         if self.prober.configuration:
             read, failed = self.prober.configuration_of(step_id, cand, "candidate", name)
             if failed:
@@ -272,8 +282,12 @@ class Stager:
         one_at_a_time = read is not None and self.kept.memory_changed(read, self.run.project.target.memory_keys())
         pairing = choose(self.prober, policy, self.noise, self.kept.samples, one_at_a_time)
         if isinstance(pairing, Together):
-            cand.server = StateServer(self.run, pinned=pairing.mode)  # its correctness probes talk to it too
+            if cand.server is None or cand.server.pinned != pairing.mode:
+                cand.server = StateServer(self.run, pinned=pairing.mode)  # its correctness probes talk to it too
         else:
+            if cand.server is not None:
+                cand.server.stop()
+                cand.server = None
             self.kept.release()  # one server at a time
         failed = self.prober.failed_correctness(step_id, cand, "candidate", name)
         if failed:

@@ -53,6 +53,7 @@ class StateServer:
         self.what = ""
         self.start_id: int | None = None
         self.samples = 0  # throughput samples it has served: the first of a fresh server warms it up
+        self._healthy = False
         self._step_id: int | None = None
         self._mark = ""
         self._since = 0.0
@@ -80,12 +81,15 @@ class StateServer:
             self.stop()
         if self.server is None:
             self.start(env, step_id, arm, label)
+        self.wait()
         if spec.name in self.shared:
             aimed = {s["name"]: s for s in self.target.probes_against(self.server.url, self.server.pid)}
             return list(aimed[spec.name]["command"]), env
         return list(spec.command), {**env, BASE_URL_ENV: self.server.url, SERVER_PID_ENV: str(self.server.pid)}
 
-    def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str) -> None:
+    def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str, wait: bool = True) -> None:
+        """Start a server of the state on disk; with `wait`, return once it is healthy (else the first `aim` or
+        `wait` waits: a pinned server can come up while something else runs, the configuration probe say)."""
         self.what, self._step_id = f"live server ({arm})", step_id
         self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
         server = self.target.live_server(marked_env(env, self._mark),
@@ -100,11 +104,21 @@ class StateServer:
             create_time = time.time()
         self._end = self.run.recorder(step_id)(self.what, server.pid, create_time)
         self.start_id = self._end.id
+        self._healthy = False
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the started server answers its health check (at most the target's start-up timeout);
+        ServerFailed, the server stopped, when it does not."""
+        if self.server is None or self._healthy:
+            return
         try:
-            server.wait_healthy(self.target.startup_timeout, on_tick=self.run.tick)
+            self.server.wait_healthy(self.target.startup_timeout, on_tick=self.run.tick)
         except BaseException:
             self.stop()
             raise
+        self._healthy = True
         self.run.store.process_ready(self.start_id)
 
     def crashed(self) -> str | None:

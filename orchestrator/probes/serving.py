@@ -456,8 +456,16 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
     chunked prefill's remainder, the long-decode path past its threshold) and Triton compiles each at
     first use, which must happen here, not in the window. With 1,024-token warm-up prompts, samples
     of one config on an H200 (8 x 8,400-token prompts) spread from 23k to 37k. Returns its wall time."""
-    batch = workload.concurrency if workload.steady else min(workload.num_prompts, workload.concurrency)
-    warm = workload.model_copy(update=dict(num_prompts=batch, request_rate=math.inf, duration=None,
+    if workload.steady:  # a few seconds of the stream itself: a whole batch could take minutes at one sequence
+        warm = workload.model_copy(update=dict(duration=max(3.0, workload.ramp), ramp=0.0,
+                                               seed=workload.seed + WARMUP_OFFSET))
+        began = time.perf_counter()
+        outcomes, _, _, _ = await drive_steady(base_url, model, warm, request_timeout)
+        if not any(o.token_times for o in outcomes):
+            raise ProbeError(f"the warm-up streamed no token: {sorted({o.error for o in outcomes if o.error})[:3]}")
+        return time.perf_counter() - began
+    batch = min(workload.num_prompts, workload.concurrency)
+    warm = workload.model_copy(update=dict(num_prompts=batch, request_rate=math.inf,
                                            seed=workload.seed + WARMUP_OFFSET))
     outcomes, duration, _ = await drive(base_url, model, warm, request_timeout)
     if not any(o.success for o in outcomes):
@@ -472,6 +480,7 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
     clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
     cpu_clock = clock.cpu_seconds if clock is not None else lambda: None
     lag = None
+    client_cpu = time.process_time()
     if workload.steady:
         outcomes, start, end, cpu = await drive_steady(base_url, model, workload, args.request_timeout, cpu_clock,
                                                        start_at)
@@ -498,6 +507,8 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
                    "output_len": workload.output_len,
                    "shared_prefix_fraction": workload.shared_prefix_fraction,
                    "seed": workload.seed, "cached_tokens_source": source})
+    # the client's own CPU time over the pass: near the window's length, the client itself was the bottleneck
+    result["client_cpu_seconds"] = time.process_time() - client_cpu
     if lag is not None:
         result["start_lag_seconds"] = lag  # how late after the agreed instant the window began
     return with_cpu(with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight)), cpu)

@@ -10,6 +10,7 @@ import importlib.resources
 import io
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,6 +48,11 @@ CPU_WORKLOAD = Workload(num_prompts=48, input_len=256, output_len=48, max_concur
 GPU_WORKLOAD = Workload(num_prompts=128, input_len=1000, output_len=200, shared_prefix_fraction=0.0,
                         max_concurrency=128, duration=10.0, ramp=2.0)
 GPU_MAX_MODEL_LEN = 16384
+# The live correctness probe's prompts (greedy, one at a time): block and partition edges, and past 512 tokens.
+# bf16 kernels that are right round differently and a random model has near-ties, so correct variants made 4 of
+# 14 such prompts diverge early on an H200; a wrong kernel makes nearly all diverge at once: the probe fails
+# beyond three quarters, and kernels.check judges each kernel against float64.
+LIVE_PROMPT_LENGTHS = (1, 7, 16, 17, 33, 64, 150, 300, 601, 640, 700, 730, 777, 800)
 # Each of two servers living side by side on one GPU sizes its KV cache at this, not at a share of the card:
 # 16 GiB holds 800,000 tokens at 4 of the hybrid model's 40 layers, 80,000 at all 40.
 CORESIDENT_KV_MEMORY = 16 << 30
@@ -83,6 +89,10 @@ class EngineTargetConfig(TargetConfig):
     simultaneous_arms: bool | None = None  # older spelling: true is arms: simultaneous, false arms: sequential
     coresident_kv_memory: int = Field(CORESIDENT_KV_MEMORY, ge=1 << 20)
     kernel_checks: Literal["full", "small", "none"] | None = None  # default: small on CPU, full on GPU
+    # engines: the correctness probe runs engines of its own, exact against a float64 reference (needs the
+    # machine to itself); live: it asks the state's live server, by agreement with the baseline server's greedy
+    # outputs, plus kernels.check of what that server runs. auto: engines on a CPU, live on a GPU.
+    correctness: Literal["auto", "engines", "live"] = "auto"
     correctness_timeout: float = Field(900, gt=0)
     serving_timeout: float = Field(1800, gt=0)
     startup_timeout: float = Field(300, gt=0)  # seconds until the engine server answers GET /health with 200
@@ -184,21 +194,25 @@ class EngineTarget(Target):
                 "command": ["python", "-m", "engine.effective", "--config", str(self.workspace / SERVE_CONFIG),
                             "--max-context", str(longest)]}
 
+    def live_correctness(self) -> bool:
+        return self.config.correctness == "live" or (self.config.correctness == "auto" and self.on_gpu())
+
     def _correctness(self, base_url: str | None) -> dict[str, Any]:
         checks = self.config.kernel_checks or ("full" if self.on_gpu() else "small")
         name, timeout = "engine-correct", self.config.correctness_timeout
-        if not self.on_gpu():
+        if not self.live_correctness():
             return {"name": name, "role": "correctness", "timeout": timeout,
                     "command": ["python", "-m", "orchestrator.probes.engine_correct",
                                 "--reference", str(self.reference_path), "--kernel-checks", checks]}
         source = (["--base-url", base_url] if base_url else
                   ["--server-cmd", shlex.join(engine_server_argv(str(self.workspace / SERVE_CONFIG)))])
-        check = (f"python -m orchestrator.probes.engine_correct --reference {self.reference_path} "
-                 f"--kernel-checks {checks} --served {base_url}") if base_url else None
+        check = shlex.join([sys.executable, "-m", "orchestrator.probes.engine_correct", "--reference",
+                            str(self.reference_path), "--kernel-checks", checks, "--served", base_url]) if base_url else None
         return {"name": name, "role": "correctness", "timeout": timeout,
                 "command": ["python", "-m", "orchestrator.probes.greedy", "--reference", str(self.live_reference_path),
                             *source, "--startup-timeout", f"{self.config.startup_timeout:g}", "--mode", "agreement",
-                            "--max-early-fraction", "0.5", *(["--check-command", check] if check else [])]}
+                            "--lengths", *map(str, LIVE_PROMPT_LENGTHS), "--max-early-fraction", "0.75",
+                            *(["--check-command", check] if check else [])]}
 
     def _serving(self, base_url: str | None, server_pid: int | None = None) -> dict[str, Any]:
         source = ["--base-url", base_url, *(["--server-pid", str(server_pid)] if server_pid else [])] if base_url else []
@@ -242,8 +256,8 @@ class EngineTarget(Target):
 
     def probes_against(self, base_url: str, server_pid: int | None = None) -> list[dict[str, Any]]:
         """The probes aimed at an engine server running at ``base_url`` (with its pid: the server's CPU time, for
-        cpu_score): the serving benchmark, and on a GPU the correctness probe."""
-        return [*([self._correctness(base_url)] if self.on_gpu() else []), self._serving(base_url, server_pid)]
+        cpu_score): the serving benchmark, and the correctness probe where it is live."""
+        return [*([self._correctness(base_url)] if self.live_correctness() else []), self._serving(base_url, server_pid)]
 
     def on_gpu(self) -> bool:
         device = self.config.device or "auto"
