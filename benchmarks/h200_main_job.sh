@@ -2,9 +2,10 @@
 # The README's main job on one GPU machine reached by commands of at most 10 minutes:
 #   bash benchmarks/h200_main_job.sh start [run args]   # installs the wheels, starts the run detached, then polls
 #   bash benchmarks/h200_main_job.sh poll               # polls; send it again right after the last one returns
-# Each call polls `orchestrator status` until the run ends or POLL_SECONDS pass (default 540); once the run
-# the status JSON, the log and the database are written to $OUT after every poll, and the report (Markdown
-# and PNG) once the run has ended.
+# Each call polls `orchestrator status` until the run ends or POLL_SECONDS pass (default 480, so that the call,
+# the wheels' install included, ends well inside a command's 10 minutes: a command cut there returns no output).
+# The status JSON, the log and the database are written to $OUT after every poll, and the report (Markdown and
+# PNG) once the run has ended.
 # The machine keeps /tmp only while it stays up, so the calls must follow each other without a pause.
 # The run works from a copy of the project in /tmp/proj: each command on such a machine re-copies the working tree,
 # which would pull the code from under a run started inside it.
@@ -16,23 +17,28 @@ export PYTHONPATH="$ROOT:/tmp/site" PYTHONUNBUFFERED=1
 orch() { (cd "$RUN" && python3 -m orchestrator.cli "$@"); }
 if [ "${1:-poll}" = start ]; then
   shift
+  if pgrep -f "orchestrator.cli run --device cuda" > /dev/null; then echo "a run is going: poll it"; exit 3; fi
   rm -rf "$ROOT" && cp -r "$TREE" "$ROOT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl || exit 9
   mkdir -p "$RUN"
   nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
+  # setsid forks when its caller leads a process group, so $! is not the run's pid: the run is found by its
+  # command line (a second `start` while one runs is refused by the state folder's lock, and says so in its log)
   (cd "$RUN" && setsid nohup python3 -m orchestrator.cli run --device cuda --preset qwen3.6-35b-a3b "$@" \
-     > "$RUN/run.log" 2>&1 < /dev/null & echo $! > "$RUN/run.pid")
-  echo "started: orchestrator run --device cuda --preset qwen3.6-35b-a3b $* (pid $(cat "$RUN/run.pid"))"
+     > "$RUN/run.log" 2>&1 < /dev/null &)
+  sleep 2
+  echo "started: orchestrator run --device cuda --preset qwen3.6-35b-a3b $*"
 fi
-deadline=$(( $(date +%s) + ${POLL_SECONDS:-540} ))
-while kill -0 "$(cat "$RUN/run.pid")" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
+running() { pgrep -f "orchestrator.cli run --device cuda" > /dev/null; }
+deadline=$(( $(date +%s) + ${POLL_SECONDS:-480} ))
+while running && [ "$(date +%s)" -lt "$deadline" ]; do sleep 10; done
 orch status 2>&1 | tail -40
 # What the run has decided so far comes back with every poll, so a run cut short still leaves its figures.
 orch status --json > "$OUT/status.json" 2>/dev/null
 cp "$RUN/run.log" "$OUT/"
 python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
   "$RUN/state/orchestrator.db" "$OUT/orchestrator.db" 2>/dev/null
-if kill -0 "$(cat "$RUN/run.pid")" 2>/dev/null; then echo "RUNNING: send the poll command again now"; exit 0; fi
+if running; then echo "RUNNING: send the poll command again now"; exit 0; fi
 echo "FINISHED"; tail -5 "$RUN/run.log"
 orch report --out "$RUN/report" > /dev/null 2>&1 && cp "$RUN"/report/*.md "$RUN"/report/*.png "$OUT/" 2>/dev/null
 ls -la "$OUT"

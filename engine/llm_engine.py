@@ -40,6 +40,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._prompt_tokens = 0
+        self._prefill_tokens = 0
         self._generation_tokens = 0
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
@@ -75,6 +76,9 @@ class LLMEngine:
         if not scheduled:
             return []
         sampled = self.model_runner.run(scheduled)
+        for item in scheduled:  # prompt tokens as their chunks run, not all at once at the first output
+            self._prefill_tokens += max(0, min(item.num_new_tokens,
+                                               item.seq.num_prompt_tokens - item.seq.num_computed_tokens))
         self.scheduler.update(scheduled, sampled)
         outputs = []
         for item, token in zip(scheduled, sampled):
@@ -102,6 +106,7 @@ class LLMEngine:
     @property
     def stats(self) -> dict[str, int]:
         s = self.scheduler.stats
-        return {"prompt_tokens": self._prompt_tokens, "generation_tokens": self._generation_tokens,
+        return {"prompt_tokens": self._prompt_tokens, "prefill_tokens": self._prefill_tokens,
+                "generation_tokens": self._generation_tokens,
                 "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
                 "preemptions": s.preemptions, "requests_finished": s.requests_finished}

@@ -39,6 +39,8 @@ from engine.llm_engine import LLMEngine
 STAT_COUNTERS = {
     "prompt_tokens": ("vllm:prompt_tokens", "Prefill tokens processed."),
     "generation_tokens": ("vllm:generation_tokens", "Generation tokens processed."),
+    # not vLLM's: prompt tokens counted chunk by chunk as prefill runs (vLLM counts a prompt at its first output)
+    "prefill_tokens": ("engine:prefill_tokens", "Prompt tokens computed, counted as each prefill chunk runs."),
     "requests_finished": ("vllm:request_success", "Requests finished."),
     "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                 cand.server.stop()
             prober.release()
         logs = [math.log(c.value / b.value) for b, c in zip(verdict.base, verdict.cand)]
-        blocks.append({"step": step_id, "logs": logs, "base": [s.value for s in verdict.base],
+        blocks.append({"step": step_id, "logs": logs, "finished": time.time(), "base": [s.value for s in verdict.base],
                        "cand": [s.value for s in verdict.cand],
                        "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)]})
     kept.arm.show = None
@@ -100,7 +101,8 @@ def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_rest
         run.store.finish_step(block["step"], "measured", None if outcome == "kept" else reason,
                               f"A/A: the state against itself on a fresh server: {d.verdict}, gain {d.gain:+.2%}"
                               + (f" [{d.ci_low:+.2%}, {d.ci_high:+.2%}]" if d.ci_low is not None else ""),
-                              gain=d.gain, before_value=d.baseline_median, after_value=d.candidate_median)
+                              finished=block["finished"], gain=d.gain, before_value=d.baseline_median,
+                              after_value=d.candidate_median)
     return {"aa_judged": len(blocks), "aa_kept": kept}
 
 

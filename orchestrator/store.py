@@ -468,9 +468,10 @@ class Store(Reader):
         self._db["steps"].update(step_id, fields)
 
     def finish_step(self, step_id: int, outcome: str, reason: str | None, detail: str | None = None,
-                    **fields: Any) -> None:
+                    finished: float | None = None, **fields: Any) -> None:
+        """`finished`: when the step's work ended, if that was before now (an A/A block judged after the last)."""
         started = self.step(step_id)["started"] or time.time()
-        now = time.time()
+        now = finished or time.time()
         self.set_step(step_id, state="done", outcome=outcome, reason=reason, detail=detail, finished=now,
                       duration=now - started, **fields)
 

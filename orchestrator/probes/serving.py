@@ -161,8 +161,8 @@ async def drive(base_url: str, model: str, workload: Workload, request_timeout: 
 
 
 async def drive_steady(base_url: str, model: str, workload: Workload, request_timeout: float,
-                       cpu_clock: Callable[[], float | None] = lambda: None,
-                       start_at: float | None = None) -> tuple[list[Outcome], float, float, float | None]:
+                       cpu_clock: Callable[[], float | None] = lambda: None, start_at: float | None = None,
+                       counters: dict | None = None) -> tuple[list[Outcome], float, float, float | None]:
     """Keeps ``max_concurrency`` requests of the workload's stream in flight, from the wall-clock instant
     ``start_at`` if given (after one test request), for ``ramp + duration`` seconds, then cancels those still
     running (the server aborts them). Returns every request sent, the window's bounds (perf_counter) and the
@@ -172,7 +172,8 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
     limit = workload.concurrency
     limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
     async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
-        first = await send(client, url, model, *next(stream))
+        prompt, _ = next(stream)
+        first = await send(client, url, model, prompt, 1)  # the server answers: one token says so
         if not first.success:
             raise ProbeError(f"the initial test request failed: {first.error}")
         if start_at is not None:
@@ -192,8 +193,12 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
         try:
             await asyncio.sleep(max(0.0, window_start - time.perf_counter()))
             cpu_start = cpu_clock()
+            before = await server_tokens(base_url) if counters is not None else None
             await asyncio.sleep(max(0.0, window_end - time.perf_counter()))
             cpu_end = cpu_clock()
+            after = await server_tokens(base_url) if before is not None else None
+            if before is not None and after is not None:
+                counters.update({k: after[k] - before[k] for k in SERVER_TOKENS})
         finally:
             for task in tasks:
                 task.cancel()
@@ -234,6 +239,27 @@ def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple
     result["errors"] = sorted({o.error for o in failed})[:10]
     cached = [o.cached_tokens for o in prefilled if o.cached_tokens is not None]
     return result, (sum(cached) if cached else 0), ("usage" if cached else "none")
+
+
+SERVER_TOKENS = {"prefill": "engine:prefill_tokens", "generation": "vllm:generation_tokens"}
+
+
+async def server_tokens(base_url: str) -> dict[str, float] | None:
+    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated, from /metrics;
+    None where it lacks either (vLLM counts a prompt only at its first output)."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            resp = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for key, name in SERVER_TOKENS.items():
+            if family.name == name:
+                found[key] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return found if len(found) == len(SERVER_TOKENS) else None
 
 
 async def prefix_cache_hits(base_url: str) -> float | None:
@@ -482,12 +508,24 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
     lag = None
     client_cpu = time.process_time()
     if workload.steady:
+        counters: dict[str, float] = {}
         outcomes, start, end, cpu = await drive_steady(base_url, model, workload, args.request_timeout, cpu_clock,
-                                                       start_at)
+                                                       start_at, counters)
         if start_at is not None:
             lag = time.time() - (end - start) - workload.ramp - start_at
         result, cached, source = summarize_window(outcomes, start, end)
         result["ramp"] = workload.ramp
+        result["tokens_source"] = "client"
+        if counters:  # the server's own counts: prompt tokens as their chunks ran, not at their first output
+            duration = result["duration"]
+            result.update(client_input_tokens=result["total_input_tokens"],
+                          client_output_tokens=result["total_output_tokens"],
+                          # the server counts the prompt tokens it computed: cached ones are added back for the score
+                          total_input_tokens=round(counters["prefill"] + cached),
+                          total_output_tokens=round(counters["generation"]),
+                          output_throughput=counters["generation"] / duration,
+                          total_token_throughput=(counters["prefill"] + cached + counters["generation"]) / duration,
+                          tokens_source="server")
     else:
         hits_before = await prefix_cache_hits(base_url)
         outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout, cpu_clock, start_at)

@@ -1,0 +1,64 @@
+"""Steady-state samples: a window of fixed length at full concurrency, counted by the server's own token
+counters where it has them; the workload type the targets and the probe share; the live server's report of what
+it runs."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import subprocess
+import sys
+
+from orchestrator.probes.workload import Workload
+from serving_support import run_probe, start_server, write_config
+
+STEADY = ["--duration", "2", "--ramp", "0.5", "--max-concurrency", "4", "--input-len", "24", "--output-len", "8",
+          "--shared-prefix-fraction", "0"]
+
+
+def test_a_steady_window_lasts_its_duration_and_counts_what_the_server_computed(server):
+    rc, out, err = run_probe("--base-url", server, *STEADY)
+    assert rc == 0, err
+    assert out["steady_state"] is True and out["duration"] == pytest.approx(2.0, abs=0.05)
+    assert out["tokens_source"] == "server"
+    # the server counts prompt tokens chunk by chunk, the client at each request's first token: close, not equal
+    assert out["total_output_tokens"] > 0 and out["total_input_tokens"] > 0
+    assert abs(out["total_output_tokens"] - out["client_output_tokens"]) <= 0.25 * out["client_output_tokens"] + 8
+    assert out["score"] == pytest.approx(16.796 * out["output_throughput"] + 2.799 * out["input_throughput"]
+                                         + 0.56 * out["cached_throughput"])
+    assert out["requests_sent"] >= 4 and out["client_cpu_seconds"] > 0
+    # the window's requests still running were cancelled: the server is idle again
+    metrics = httpx.get(f"{server}/metrics", timeout=10).text
+    running = [ln for ln in metrics.splitlines() if ln.startswith("vllm:num_requests_running")]
+    assert running and float(running[0].split()[-1]) <= 4
+
+
+def test_the_server_says_what_it_runs_and_a_kv_budget_given_on_its_command_line_wins(tmp_path):
+    config = write_config(tmp_path)
+    proc, url = start_server(config, "--kv-cache-memory", str(1 << 22))
+    try:
+        info = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["engine"]
+        log = proc.tail()
+    finally:
+        proc.stop()
+    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["kernels"]["moe-dispatch"]
+    assert "(0.00 GiB)" in log  # sized at 4 MiB, not the config's 16 MiB (0.02 GiB)
+
+
+@pytest.mark.parametrize("args, says", [(["--duration", "0"], "--duration"), (["--ramp", "-1", "--duration", "1"], "--ramp"),
+                                        (["--token-id-range", "5", "5"], "token_low")])
+def test_a_bad_workload_is_refused_naming_the_option(args, says):
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.probes.serving", "--base-url", "http://127.0.0.1:9",
+                           *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+
+
+def test_one_workload_type_round_trips_through_the_probes_arguments():
+    from orchestrator.probes.serving import parse_args
+    w = Workload(num_prompts=7, input_len=33, output_len=5, range_ratio=0.1, shared_prefix_fraction=0.25,
+                 token_low=3, token_high=99, request_rate=2.5, max_concurrency=6, seed=4, windows=2, duration=4.0,
+                 ramp=1.5, warmup=True)
+    assert parse_args(w.argv()).workload == w
+    # the stream is seeded: the same requests on every server, none equal to the batch's
+    a, b = Workload(duration=1).stream(), Workload(duration=1).stream()
+    assert [next(a) for _ in range(5)] == [next(b) for _ in range(5)]
