@@ -244,9 +244,9 @@ def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple
 SERVER_TOKENS = {"prefill": "engine:prefill_tokens", "generation": "vllm:generation_tokens"}
 
 
-async def server_tokens(base_url: str) -> dict[str, float] | None:
-    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated, from /metrics;
-    None where it lacks either (vLLM counts a prompt only at its first output)."""
+async def counters(base_url: str, names: dict[str, str]) -> dict[str, float] | None:
+    """The server's counters `names` ({key: family name}, each summed over its labels' ``_total`` samples) from
+    /metrics; None when it answers none, or lacks one of them."""
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
             resp = await client.get(f"{base_url}/metrics")
@@ -256,25 +256,22 @@ async def server_tokens(base_url: str) -> dict[str, float] | None:
         return None
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(resp.text):
-        for key, name in SERVER_TOKENS.items():
+        for key, name in names.items():
             if family.name == name:
                 found[key] = sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return found if len(found) == len(SERVER_TOKENS) else None
+    return found if len(found) == len(names) else None
+
+
+async def server_tokens(base_url: str) -> dict[str, float] | None:
+    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated; None where it
+    lacks either (vLLM counts a prompt only at its first output)."""
+    return await counters(base_url, SERVER_TOKENS)
 
 
 async def prefix_cache_hits(base_url: str) -> float | None:
     """The server's ``vllm:prefix_cache_hits_total`` (summed over labels), or None if absent."""
-    try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
-            resp = await client.get(f"{base_url}/metrics")
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    for family in text_string_to_metric_families(resp.text):
-        if family.name == "vllm:prefix_cache_hits":
-            return sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return None
+    found = await counters(base_url, {"hits": "vllm:prefix_cache_hits"})
+    return None if found is None else found["hits"]
 
 
 async def served_model(base_url: str) -> str:
