@@ -162,11 +162,12 @@ async def drive(base_url: str, model: str, workload: Workload, request_timeout: 
 
 async def drive_steady(base_url: str, model: str, workload: Workload, request_timeout: float,
                        cpu_clock: Callable[[], float | None] = lambda: None, start_at: float | None = None,
-                       counters: dict | None = None) -> tuple[list[Outcome], float, float, float | None]:
+                       counters: dict | None = None) -> tuple[list[Outcome], float, float, float, float | None]:
     """Keeps ``max_concurrency`` requests of the workload's stream in flight, from the wall-clock instant
-    ``start_at`` if given (after one test request), for ``ramp + duration`` seconds, then cancels those still
-    running (the server aborts them). Returns every request sent, the window's bounds (perf_counter) and the
-    CPU seconds ``cpu_clock`` advanced over the window."""
+    ``start_at`` if given (after one test request): first the fill (``Workload.fill``), then ``ramp`` seconds,
+    then the measured ``duration``, after which those still running are cancelled (the server aborts them).
+    Returns every request sent, when the fill began and the window's bounds (perf_counter), and the CPU seconds
+    ``cpu_clock`` advanced over the window."""
     url = f"{base_url}/v1/completions"
     stream = workload.stream()
     limit = workload.concurrency
@@ -179,19 +180,27 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
         begin = time.perf_counter()
-        window_start = begin + workload.ramp
-        window_end = window_start + workload.duration
+        window_end = math.inf
         outcomes: list[Outcome] = []
+        wave = [Outcome() for _ in range(limit)]
 
-        async def keep_busy() -> None:
+        async def keep_busy(out: Outcome, fill_len: int) -> None:
+            outcomes.append(out)
+            await send(client, url, model, next(stream)[0], fill_len, out=out)
             while time.perf_counter() < window_end:
                 out = Outcome()
                 outcomes.append(out)
                 await send(client, url, model, *next(stream), out=out)
 
-        tasks = [asyncio.create_task(keep_busy()) for _ in range(limit)]
+        tasks = [asyncio.create_task(keep_busy(out, n)) for out, n in zip(wave, workload.fill())]
         try:
-            await asyncio.sleep(max(0.0, window_start - time.perf_counter()))
+            while not all(o.first_at is not None or o.latency or o.error for o in wave):
+                if time.perf_counter() - begin > request_timeout:
+                    raise ProbeError(f"the fill's {limit} prompts were not all prefilled within {request_timeout:g} s")
+                await asyncio.sleep(0.02)
+            window_start = time.perf_counter() + workload.ramp
+            window_end = window_start + workload.duration
+            await asyncio.sleep(workload.ramp)
             cpu_start = cpu_clock()
             before = await server_tokens(base_url) if counters is not None else None
             await asyncio.sleep(max(0.0, window_end - time.perf_counter()))
@@ -204,7 +213,7 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
-        return outcomes, window_start, window_end, cpu
+        return outcomes, begin, window_start, window_end, cpu
 
 
 def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple[dict, float, str]:
@@ -407,7 +416,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steady state: keep --max-concurrency requests in flight and measure a window of this "
                         "many seconds (after --ramp), instead of one batch of --num-prompts")
     p.add_argument("--ramp", type=float, default=w.ramp, metavar="SECONDS",
-                   help="steady state: seconds at full concurrency before the measured window")
+                   help="steady state: seconds between the fill (the first wave's output lengths spread over "
+                        "1..--output-len, each prompt prefilled) and the measured window")
     p.add_argument("--pair", type=int, default=None,
                    help=f"the sample's pair index: the workload's seed is offset by {PAIR_STRIDE} per pair "
                         f"(default: ${PAIR_ENV}, else 0)")
@@ -483,7 +493,7 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
         warm = workload.model_copy(update=dict(duration=max(3.0, workload.ramp), ramp=0.0,
                                                seed=workload.seed + WARMUP_OFFSET))
         began = time.perf_counter()
-        outcomes, _, _, _ = await drive_steady(base_url, model, warm, request_timeout)
+        outcomes, *_ = await drive_steady(base_url, model, warm, request_timeout)
         if not any(o.token_times for o in outcomes):
             raise ProbeError(f"the warm-up streamed no token: {sorted({o.error for o in outcomes if o.error})[:3]}")
         return time.perf_counter() - began
@@ -506,12 +516,13 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
     client_cpu = time.process_time()
     if workload.steady:
         counters: dict[str, float] = {}
-        outcomes, start, end, cpu = await drive_steady(base_url, model, workload, args.request_timeout, cpu_clock,
-                                                       start_at, counters)
-        if start_at is not None:
+        outcomes, begin, start, end, cpu = await drive_steady(base_url, model, workload, args.request_timeout,
+                                                              cpu_clock, start_at, counters)
+        if start_at is not None:  # the fill's length is the state's own: it is part of the lag
             lag = time.time() - (end - start) - workload.ramp - start_at
         result, cached, source = summarize_window(outcomes, start, end)
         result["ramp"] = workload.ramp
+        result["fill_seconds"] = start - workload.ramp - begin
         result["tokens_source"] = "client"
         if counters:  # the server's own counts: prompt tokens as their chunks ran, not at their first output
             duration = result["duration"]

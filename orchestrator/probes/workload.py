@@ -2,9 +2,17 @@
 
 Two shapes. A batch (`num_prompts` requests, `max_concurrency` in flight) is `vllm bench serve`'s: the window
 ends when the last request does, so its tail runs below the concurrency asked for. Steady state (`duration`)
-keeps `max_concurrency` requests in flight from a seeded stream for `ramp + duration` seconds and counts only
-what the last `duration` seconds produced: the same length of window whatever a state's speed, each at the
-concurrency asked for, its ramp left out.
+keeps `max_concurrency` requests in flight from a seeded stream and counts only what a window of `duration`
+seconds produced: the same length of window whatever a state's speed, each at the concurrency asked for.
+
+A steady state reached from an idle server needs care. Started with `max_concurrency` requests at once, all
+prefill first and all finish together, a whole request's life later: a window in between sees the prefill burst
+and then decoding alone, in proportions set by the window, not by the workload (on an H200, where a slow state's
+request lived 70 s, prompt tokens were four fifths of a 10 s window's score). So the first wave's output lengths
+are spread evenly over 1..`output_len` (`fill`): once its prompts are prefilled, its requests end one after
+the other at the rate a steady state ends them, and each is replaced by a full request of the stream, whose
+prompt then runs beside the others' decoding as it would in a steady state. The window begins `ramp` seconds
+after the last prompt of the first wave has its first token.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ class Workload(BaseModel):
     warmup: bool = False  # a batch shaped like the workload before every window (else only on a fresh server)
     windows: int = Field(1, ge=1, le=20)  # measured passes per sample; the best by the objective counts
     duration: Optional[float] = Field(None, gt=0)  # steady state: seconds of the measured window
-    ramp: float = Field(2.0, ge=0)  # steady state: seconds before the window, at full concurrency already
+    ramp: float = Field(2.0, ge=0)  # steady state: seconds between the fill's last first token and the window
 
     @model_validator(mode="after")
     def _shape(self) -> "Workload":
@@ -78,6 +86,11 @@ class Workload(BaseModel):
         while True:
             yield self._one(np.random.default_rng([self.seed, k]), prefix)
             k += 1
+
+    def fill(self) -> list[int]:
+        """Steady state: the first wave's output lengths, spread evenly over 1..output_len."""
+        n = self.concurrency
+        return [max(1, math.ceil((i + 1) * self.output_len / n)) for i in range(n)]
 
     def delays(self) -> list[float]:
         """Send times relative to the start: Poisson arrivals at ``request_rate``, as vLLM's."""

@@ -3,11 +3,12 @@ counters where it has them; the workload type the targets and the probe share; t
 it runs."""
 from __future__ import annotations
 
-import httpx
-import pytest
-
 import subprocess
 import sys
+from pathlib import Path
+
+import httpx
+import pytest
 
 from orchestrator.probes.workload import Workload
 from serving_support import run_probe, start_server, write_config
@@ -62,3 +63,29 @@ def test_one_workload_type_round_trips_through_the_probes_arguments():
     # the stream is seeded: the same requests on every server, none equal to the batch's
     a, b = Workload(duration=1).stream(), Workload(duration=1).stream()
     assert [next(a) for _ in range(5)] == [next(b) for _ in range(5)]
+
+
+def test_a_window_from_an_idle_server_measures_the_steady_state_of_a_server_whose_requests_outlive_it(tmp_path):
+    """A request lives about 11 s here, five windows long: started all at once, the first wave would prefill
+    together and then only decode, and a window would see one phase of that wave, not the mix a steady state
+    has (a quarter below it with these costs; two and a half times above it with an H200's). The fill spreads
+    the first wave's lengths, so the window finds the steady state's rates."""
+    from batch_model import Costs, steady_rates
+    from orchestrator.probes.live_server import LiveServer
+
+    costs = Costs(base=0.03, per_decode=0.0015, per_prefill=0.00006, budget=2048)
+    server = LiveServer([sys.executable, str(Path(__file__).with_name("batch_model.py")), "--port", "{port}",
+                         "--base", str(costs.base), "--per-decode", str(costs.per_decode),
+                         "--per-prefill", str(costs.per_prefill), "--budget", str(costs.budget)])
+    try:
+        server.start().wait_healthy(60)
+        rc, out, err = run_probe("--base-url", server.url, "--duration", "2", "--ramp", "0.3", "--max-concurrency",
+                                 "16", "--input-len", "500", "--output-len", "200", "--shared-prefix-fraction", "0")
+    finally:
+        server.stop()
+    assert rc == 0, err
+    prompt_rate, generated_rate = steady_rates(costs, 16, 500, 200)
+    truth = 16.796 * generated_rate + 2.799 * prompt_rate
+    assert out["tokens_source"] == "server" and out["fill_seconds"] > 0.3  # 8,000 prompt tokens came first
+    assert out["score"] == pytest.approx(truth, rel=0.12), (out["score"], truth)
+    assert out["output_throughput"] == pytest.approx(generated_rate, rel=0.12)
