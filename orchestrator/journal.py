@@ -7,7 +7,9 @@ target text and folders, each with its mode: measurement arms switch all of them
 """
 from __future__ import annotations
 
+import glob
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -52,6 +54,7 @@ def write_image(path: Path, data: bytes, mode: int | None = None) -> None:
     """Put bytes into a target file. Every such write is journaled first, so recovery repairs a torn one;
     rewriting in place avoids freeing and reallocating the file's blocks (20x cheaper for large files).
     A hard-linked file is replaced by a rename instead, so its other names keep their bytes."""
+    forget_bytecode(path)
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -64,6 +67,22 @@ def write_image(path: Path, data: bytes, mode: int | None = None) -> None:
         f.truncate()
     if mode is not None and stat.S_IMODE(st.st_mode) != stat.S_IMODE(mode):
         os.chmod(path, stat.S_IMODE(mode))
+
+
+def forget_bytecode(path: Path) -> None:
+    """Delete the cached bytecode of a Python module about to be rewritten, for every interpreter. Python trusts a
+    cache whose source has the size and the whole-second modification time it was compiled from, so a module
+    rewritten with the same size within that second would otherwise run its old code."""
+    if path.suffix != ".py":
+        return
+    folders = {path.parent / "__pycache__"}
+    try:
+        folders.add(Path(importlib.util.cache_from_source(str(path))).parent)  # PYTHONPYCACHEPREFIX
+    except NotImplementedError:
+        pass
+    for folder in folders:
+        for cached in folder.glob(f"{glob.escape(path.stem)}.*.pyc"):
+            cached.unlink(missing_ok=True)
 
 
 def _is_digest(name: str) -> bool:
@@ -431,6 +450,7 @@ class Journal:
             target = images.link_target(image)
             if path.is_symlink() and os.readlink(path) == target:
                 return
+            forget_bytecode(path)  # a module that is a link: Python checks the file it leads to
             if os.path.lexists(path):
                 path.unlink()
             os.symlink(target, path)
@@ -438,7 +458,7 @@ class Journal:
         tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
         if tmp.is_file() and not tmp.is_symlink():
             tmp.unlink()
-        if held:
+        if held and path.is_file():  # unless deleted since: the cached bytecode of a module just written
             if mode is not None and stat.S_IMODE(path.stat().st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
             return
