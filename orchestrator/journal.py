@@ -85,6 +85,14 @@ def forget_bytecode(path: Path) -> None:
             cached.unlink(missing_ok=True)
 
 
+def _beyond(path: Path, link: Path) -> str:
+    try:
+        leads = f"a symlink to {os.readlink(link)!r}"
+    except OSError:
+        leads = "a symlink"
+    return f"{path} lies beyond {link}, {leads}"
+
+
 def _is_digest(name: str) -> bool:
     return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
@@ -109,6 +117,15 @@ class BlobError(UserError):
         super().__init__("refused, nothing was changed: " + "; ".join(
             f"{blob} is {why}: it holds {what}" for blob, what, why in problems) +
             ". The state folder is damaged: put the blob back from a backup, or restore the file by hand")
+
+
+class OutsideRoot(UserError):
+    """Recorded paths would be written outside their target roots: nothing was written."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("refused, nothing was changed: " + "; ".join(problems) + ". A recorded path is written "
+                         "only inside its target root, through real folders: put back the folder a symlink "
+                         "replaced, or restore the file by hand")
 
 
 class Journal:
@@ -151,8 +168,32 @@ class Journal:
             return None
 
     def path(self, row: dict) -> Path:
-        """Where a files row's path is on disk."""
-        return self.roots[row["root"]] / row["path"]
+        """Where a files row's path is on disk; OutsideRoot where the row leads out of its root (an absolute path
+        or a `..`: a damaged or tampered history)."""
+        root = self.roots[row["root"]]
+        path = root / row["path"]
+        if not images.inside(root, path):
+            raise OutsideRoot([f"the recorded path {row['path']!r} of root {row['root']!r} leads outside the target "
+                               f"root {root}"])
+        return path
+
+    def check_paths(self, items: list[tuple[Path, str | None, int | None]]) -> None:
+        """OutsideRoot naming each path of `items` that is not inside a root, or lies beyond a folder that is a
+        symlink and stays one once `items` are in place."""
+        after = {path: image for path, image, _ in items}
+        problems = []
+        for path in after:
+            root = self._root_of(path)
+            if root is None:
+                problems.append(f"{path} is not inside a target root ({', '.join(map(str, self.roots.values()))})")
+            elif (link := images.link_on_the_way(root, path, after)) is not None:
+                problems.append(_beyond(path, link))
+        if problems:
+            raise OutsideRoot(problems)
+
+    def _root_of(self, path: Path) -> Path | None:
+        """The innermost root `path` is inside of."""
+        return max((r for r in self.roots.values() if images.inside(r, path)), key=lambda r: len(r.parts), default=None)
 
     # blobs
     def put_file(self, path: Path) -> str:
@@ -255,7 +296,7 @@ class Journal:
         rows = []
         for root_name, rel in dict.fromkeys(paths):
             if (root_name, rel) not in known:
-                before, mode = self.keep(self.roots[root_name] / rel)
+                before, mode = self.keep(self.path({"root": root_name, "path": rel}))
                 rows.append(dict(step_id=step_id, root=root_name, path=rel, before=before, before_mode=mode))
         self.record(step_id, rows)
 
@@ -274,6 +315,9 @@ class Journal:
         full = root / rel
         if full.is_symlink():
             raise TouchError(f"{rel}: refusing to change a symlink")
+        if (link := images.link_on_the_way(root, full)) is not None:
+            raise TouchError(f"{rel}: {link.relative_to(root)} is a symlink; steps change paths inside real folders "
+                             "only")
         if full.is_dir():
             raise TouchError(f"{rel}: is a folder, not a file")
         if os.path.lexists(full) and not full.is_file():
@@ -420,11 +464,14 @@ class Journal:
         and files are put in place (shallowest first), then folder modes are set (a read-only folder last).
         `compare` first hashes a file to skip rewriting one that already holds its image. Every blob to be
         written is checked first (BlobError, nothing changed)."""
+        self.check_paths(items)
         held = {path for path, image, _ in items if compare and images.is_blob(image) and path.is_file()
                 and not path.is_symlink() and sha256_file(path) == image}
         self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image) and path not in held])
         self.alive()
         for path, image, _ in sorted(items, key=_depth, reverse=True):
+            if self._link_on_the_way(path) is not None:
+                continue  # beyond a link that is replaced below: not in the target
             try:
                 st = os.lstat(path)
             except (FileNotFoundError, NotADirectoryError):
@@ -436,10 +483,15 @@ class Journal:
                     path.unlink()
         for path, image, mode in sorted(items, key=_depth):
             if image is not None:
+                if (link := self._link_on_the_way(path)) is not None:  # made a link since it was checked
+                    raise OutsideRoot([_beyond(path, link)])
                 self._place(path, image, mode, path in held)
         for path, image, mode in sorted(items, key=_depth, reverse=True):
             if image == DIR and mode is not None and stat.S_IMODE(os.lstat(path).st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
+
+    def _link_on_the_way(self, path: Path) -> Path | None:
+        return images.link_on_the_way(self._root_of(path), path)
 
     def _place(self, path: Path, image: str, mode: int | None, held: bool) -> None:
         if image == DIR:
