@@ -141,3 +141,17 @@ def test_recovery_refuses_a_recorded_path_leading_out_of_the_target(tmp_path):
     assert "Traceback" not in proc.stderr
     assert "'../../victim.txt'" in message and "nothing was changed" in message, message
     assert (images(project.target), victim.read_bytes()) == before
+
+
+def test_a_step_does_not_record_a_path_beyond_a_symlink(tmp_path):
+    """A path through a link inside the target could not be restored through real folders: the step fails."""
+    project = make_project(tmp_path / "p", plugins=[])
+    os.symlink("conf", project.target / "alias")
+    add_plugin(project, {"id": "through-link", "apply": [
+        {"replace": {"path": "alias/serve.yaml", "old": "max-num-seqs: 1", "new": "max-num-seqs: 8"}}]})
+    before = images(project.target)
+    project.cli("run", check=0)
+    step = project.status()["steps"][0]
+    assert (step["outcome"], step["reason"]) == ("rolled_back", "apply_failed"), step
+    assert "alias is a symlink" in step["detail"], step
+    assert images(project.target) == before
