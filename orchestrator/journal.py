@@ -120,10 +120,12 @@ class BlobError(UserError):
 
 
 class OutsideRoot(UserError):
-    """Recorded paths would be written outside their target roots: nothing was written."""
+    """Recorded paths would be written outside their target roots: nothing was written (`partly`: the rest of the
+    batch, a link having appeared on the way while it was written)."""
 
-    def __init__(self, problems: list[str]):
-        super().__init__("refused, nothing was changed: " + "; ".join(problems) + ". A recorded path is written "
+    def __init__(self, problems: list[str], partly: bool = False):
+        super().__init__(("stopped half-way (`orchestrator recover` finishes once the link is gone): " if partly else
+                          "refused, nothing was changed: ") + "; ".join(problems) + ". A recorded path is written "
                          "only inside its target root, through real folders: put back the folder a symlink "
                          "replaced, or restore the file by hand")
 
@@ -465,13 +467,14 @@ class Journal:
         `compare` first hashes a file to skip rewriting one that already holds its image. Every blob to be
         written is checked first (BlobError, nothing changed)."""
         self.check_paths(items)
-        held = {path for path, image, _ in items if compare and images.is_blob(image) and path.is_file()
-                and not path.is_symlink() and sha256_file(path) == image}
+        beyond = {path for path, _, _ in items if self._link_on_the_way(path)}  # of a link replaced here
+        held = {path for path, image, _ in items if compare and images.is_blob(image) and path not in beyond
+                and path.is_file() and not path.is_symlink() and sha256_file(path) == image}
         self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image) and path not in held])
         self.alive()
         for path, image, _ in sorted(items, key=_depth, reverse=True):
-            if self._link_on_the_way(path) is not None:
-                continue  # beyond a link that is replaced below: not in the target
+            if path in beyond:
+                continue  # not in the target: the link is removed, never followed
             try:
                 st = os.lstat(path)
             except (FileNotFoundError, NotADirectoryError):
@@ -484,7 +487,7 @@ class Journal:
         for path, image, mode in sorted(items, key=_depth):
             if image is not None:
                 if (link := self._link_on_the_way(path)) is not None:  # made a link since it was checked
-                    raise OutsideRoot([_beyond(path, link)])
+                    raise OutsideRoot([_beyond(path, link)], partly=True)
                 self._place(path, image, mode, path in held)
         for path, image, mode in sorted(items, key=_depth, reverse=True):
             if image == DIR and mode is not None and stat.S_IMODE(os.lstat(path).st_mode) != stat.S_IMODE(mode):
