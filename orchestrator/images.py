@@ -117,3 +117,35 @@ def escapes(root: Path, rel: str) -> bool:
     real_root = os.path.realpath(root)
     target = os.path.realpath(Path(root) / rel)
     return target != real_root and not target.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def inside(root: Path, path: Path) -> bool:
+    """Whether `path`, as written, names something below `root`: under it, and without a `..`."""
+    try:
+        rel = Path(path).relative_to(root)
+    except ValueError:
+        return False
+    return bool(rel.parts) and ".." not in rel.parts
+
+
+def link_on_the_way(root: Path, path: Path, after: dict[Path, "str | None"] | None = None) -> Path | None:
+    """The first folder between `root` and `path` that is a symlink: on disk now or, for a folder `after` gives the
+    image of, once that image is in place (what lies beyond a link that is replaced is not looked at). A write
+    through it would land wherever the link leads."""
+    folder, beyond = Path(root), False
+    for part in Path(path).relative_to(root).parts[:-1]:
+        folder = folder / part
+        if after is not None and folder in after:
+            if after[folder] is not None and after[folder].startswith(LINK):
+                return folder
+            beyond = beyond or _is_link(folder)
+        elif not beyond and _is_link(folder):
+            return folder
+    return None
+
+
+def _is_link(path: Path) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False

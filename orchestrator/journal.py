@@ -7,7 +7,9 @@ target text and folders, each with its mode: measurement arms switch all of them
 """
 from __future__ import annotations
 
+import glob
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -52,6 +54,7 @@ def write_image(path: Path, data: bytes, mode: int | None = None) -> None:
     """Put bytes into a target file. Every such write is journaled first, so recovery repairs a torn one;
     rewriting in place avoids freeing and reallocating the file's blocks (20x cheaper for large files).
     A hard-linked file is replaced by a rename instead, so its other names keep their bytes."""
+    forget_bytecode(path)
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -64,6 +67,30 @@ def write_image(path: Path, data: bytes, mode: int | None = None) -> None:
         f.truncate()
     if mode is not None and stat.S_IMODE(st.st_mode) != stat.S_IMODE(mode):
         os.chmod(path, stat.S_IMODE(mode))
+
+
+def forget_bytecode(path: Path) -> None:
+    """Delete the cached bytecode of a Python module about to be rewritten, for every interpreter. Python trusts a
+    cache whose source has the size and the whole-second modification time it was compiled from, so a module
+    rewritten with the same size within that second would otherwise run its old code."""
+    if path.suffix != ".py":
+        return
+    folders = {path.parent / "__pycache__"}
+    try:
+        folders.add(Path(importlib.util.cache_from_source(str(path))).parent)  # PYTHONPYCACHEPREFIX
+    except NotImplementedError:
+        pass
+    for folder in folders:
+        for cached in folder.glob(f"{glob.escape(path.stem)}.*.pyc"):
+            cached.unlink(missing_ok=True)
+
+
+def _beyond(path: Path, link: Path) -> str:
+    try:
+        leads = f"a symlink to {os.readlink(link)!r}"
+    except OSError:
+        leads = "a symlink"
+    return f"{path} lies beyond {link}, {leads}"
 
 
 def _is_digest(name: str) -> bool:
@@ -90,6 +117,17 @@ class BlobError(UserError):
         super().__init__("refused, nothing was changed: " + "; ".join(
             f"{blob} is {why}: it holds {what}" for blob, what, why in problems) +
             ". The state folder is damaged: put the blob back from a backup, or restore the file by hand")
+
+
+class OutsideRoot(UserError):
+    """Recorded paths would be written outside their target roots: nothing was written (`partly`: the rest of the
+    batch, a link having appeared on the way while it was written)."""
+
+    def __init__(self, problems: list[str], partly: bool = False):
+        super().__init__(("stopped half-way (`orchestrator recover` finishes once the link is gone): " if partly else
+                          "refused, nothing was changed: ") + "; ".join(problems) + ". A recorded path is written "
+                         "only inside its target root, through real folders: put back the folder a symlink "
+                         "replaced, or restore the file by hand")
 
 
 class Journal:
@@ -132,8 +170,32 @@ class Journal:
             return None
 
     def path(self, row: dict) -> Path:
-        """Where a files row's path is on disk."""
-        return self.roots[row["root"]] / row["path"]
+        """Where a files row's path is on disk; OutsideRoot where the row leads out of its root (an absolute path
+        or a `..`: a damaged or tampered history)."""
+        root = self.roots[row["root"]]
+        path = root / row["path"]
+        if not images.inside(root, path):
+            raise OutsideRoot([f"the recorded path {row['path']!r} of root {row['root']!r} leads outside the target "
+                               f"root {root}"])
+        return path
+
+    def check_paths(self, items: list[tuple[Path, str | None, int | None]]) -> None:
+        """OutsideRoot naming each path of `items` that is not inside a root, or lies beyond a folder that is a
+        symlink and stays one once `items` are in place."""
+        after = {path: image for path, image, _ in items}
+        problems = []
+        for path in after:
+            root = self._root_of(path)
+            if root is None:
+                problems.append(f"{path} is not inside a target root ({', '.join(map(str, self.roots.values()))})")
+            elif (link := images.link_on_the_way(root, path, after)) is not None:
+                problems.append(_beyond(path, link))
+        if problems:
+            raise OutsideRoot(problems)
+
+    def _root_of(self, path: Path) -> Path | None:
+        """The innermost root `path` is inside of."""
+        return max((r for r in self.roots.values() if images.inside(r, path)), key=lambda r: len(r.parts), default=None)
 
     # blobs
     def put_file(self, path: Path) -> str:
@@ -236,7 +298,7 @@ class Journal:
         rows = []
         for root_name, rel in dict.fromkeys(paths):
             if (root_name, rel) not in known:
-                before, mode = self.keep(self.roots[root_name] / rel)
+                before, mode = self.keep(self.path({"root": root_name, "path": rel}))
                 rows.append(dict(step_id=step_id, root=root_name, path=rel, before=before, before_mode=mode))
         self.record(step_id, rows)
 
@@ -255,6 +317,9 @@ class Journal:
         full = root / rel
         if full.is_symlink():
             raise TouchError(f"{rel}: refusing to change a symlink")
+        if (link := images.link_on_the_way(root, full)) is not None:
+            raise TouchError(f"{rel}: {link.relative_to(root)} is a symlink; steps change paths inside real folders "
+                             "only")
         if full.is_dir():
             raise TouchError(f"{rel}: is a folder, not a file")
         if os.path.lexists(full) and not full.is_file():
@@ -401,11 +466,15 @@ class Journal:
         and files are put in place (shallowest first), then folder modes are set (a read-only folder last).
         `compare` first hashes a file to skip rewriting one that already holds its image. Every blob to be
         written is checked first (BlobError, nothing changed)."""
-        held = {path for path, image, _ in items if compare and images.is_blob(image) and path.is_file()
-                and not path.is_symlink() and sha256_file(path) == image}
+        self.check_paths(items)
+        beyond = {path for path, _, _ in items if self._link_on_the_way(path)}  # of a link replaced here
+        held = {path for path, image, _ in items if compare and images.is_blob(image) and path not in beyond
+                and path.is_file() and not path.is_symlink() and sha256_file(path) == image}
         self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image) and path not in held])
         self.alive()
         for path, image, _ in sorted(items, key=_depth, reverse=True):
+            if path in beyond:
+                continue  # not in the target: the link is removed, never followed
             try:
                 st = os.lstat(path)
             except (FileNotFoundError, NotADirectoryError):
@@ -417,10 +486,15 @@ class Journal:
                     path.unlink()
         for path, image, mode in sorted(items, key=_depth):
             if image is not None:
+                if (link := self._link_on_the_way(path)) is not None:  # made a link since it was checked
+                    raise OutsideRoot([_beyond(path, link)], partly=True)
                 self._place(path, image, mode, path in held)
         for path, image, mode in sorted(items, key=_depth, reverse=True):
             if image == DIR and mode is not None and stat.S_IMODE(os.lstat(path).st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
+
+    def _link_on_the_way(self, path: Path) -> Path | None:
+        return images.link_on_the_way(self._root_of(path), path)
 
     def _place(self, path: Path, image: str, mode: int | None, held: bool) -> None:
         if image == DIR:
@@ -431,6 +505,7 @@ class Journal:
             target = images.link_target(image)
             if path.is_symlink() and os.readlink(path) == target:
                 return
+            forget_bytecode(path)  # a module that is a link: Python checks the file it leads to
             if os.path.lexists(path):
                 path.unlink()
             os.symlink(target, path)
@@ -438,7 +513,7 @@ class Journal:
         tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
         if tmp.is_file() and not tmp.is_symlink():
             tmp.unlink()
-        if held:
+        if held and path.is_file():  # unless deleted since: the cached bytecode of a module just written
             if mode is not None and stat.S_IMODE(path.stat().st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
             return

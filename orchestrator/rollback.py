@@ -35,6 +35,8 @@ def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: b
                 f"{pid} requires {', '.join(needs)}" for pid, needs in sorted(left.items())) +
                 f". Roll them back together (`orchestrator rollback {names}`) or use --all")
     todo = [row for pid, row in reversed(list(deployed.items())) if ids is None or pid in ids]
+    for row in todo:  # a path outside the target is refused before anything is written
+        journal.check_paths([(journal.path(f), f["before"], f["before_mode"]) for f in store.file_rows(row["step_id"])])
     journal.check_blobs([(f["before"], journal.path(f)) for row in todo for f in store.file_rows(row["step_id"])
                          if is_blob(f["before"])])  # a damaged pre-image is refused before anything is written
     if not force:

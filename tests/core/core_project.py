@@ -135,6 +135,14 @@ class Project:
         return conn
 
 
+def fault_run(project: Project, where: str, n: int, *args: str) -> subprocess.CompletedProcess:
+    """The CLI on `project` through fault_run.py (a fault injected at `where`, see there)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, str(Path(__file__).parent / "fault_run.py"), where, str(n), *args,
+                           "--config", str(project.config)], cwd=project.path, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
 def make_project(path: Path, plugins: list[str] = MAIN_PLUGINS, extra: list[str] = (), policy: dict | None = None,
                  speed_timeout: float = 3) -> Project:
     shutil.copytree(FIXTURES / "target", path / "target")

@@ -1,5 +1,6 @@
 """Runs the orchestrator's CLI with a fault injected: `python fault_run.py WHERE N CLI-ARGS...` makes the N-th
-blob written (`blob`), target file written (`target`) or measurement stored (`db`) fail as on a full disk."""
+blob written (`blob`), target file written (`target`) or measurement stored (`db`) fail as on a full disk; `clock`
+gives every target file written the modification time N (seconds), as when all writes fall within one second."""
 import errno
 import os
 import sqlite3
@@ -33,6 +34,13 @@ def main() -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             return write_image(path, data, mode)
         journal.write_image = steps.write_image = full_target
+    elif where == "clock":
+        write_image = journal.write_image
+
+        def one_second(path, data, mode=None):
+            write_image(path, data, mode)
+            os.utime(path, (n, n))
+        journal.write_image = steps.write_image = one_second
     elif where == "db":
         add_measurement = store.Store.add_measurement
 

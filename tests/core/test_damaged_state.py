@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from core_project import REPO, assert_consistent, expected_images, make_project, state_images, tree
+from core_project import assert_consistent, expected_images, fault_run, make_project, state_images, tree
 from test_crash import wait_for
 
 DAMAGE = {
@@ -84,13 +84,6 @@ def test_a_deleted_blob_of_an_open_step_is_named_and_recover_force_gets_out(tmp_
     assert b"MODE = KILLME" in (project.target / "app.txt").read_bytes()  # what could not is left, and said so
     (project.target / "app.txt").write_bytes((project.target / "app.txt").read_bytes().replace(b"KILLME", b"plain"))
     project.cli("run", "--only", "speedup", check=0)  # the state folder is usable again
-
-
-def fault_run(project, where: str, n: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, str(Path(__file__).parent / "fault_run.py"), where, str(n), *args,
-                           "--config", str(project.config)], cwd=project.path, env=env, capture_output=True,
-                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize("where, n", [("blob", 1), ("blob", 3), ("target", 1), ("target", 2), ("db", 3), ("db", 5)])

@@ -1,5 +1,6 @@
-"""Blobs are checked against their names before anything is restored from them, and changes the database lost
-(damage in its write-ahead log) are found in the intent log, restored and reported."""
+"""Blobs are checked against their names before anything is restored from them; changes the database lost
+(damage in its write-ahead log) are found in the intent log, restored and reported; a recorded path is written
+only inside its root, through real folders."""
 from __future__ import annotations
 
 import os
@@ -8,8 +9,9 @@ import sqlite3
 
 import pytest
 
-from core_project import assert_consistent, expected_images, make_project, state_images, tree
+from core_project import add_plugin, assert_consistent, expected_images, images, make_project, state_images, tree
 from test_crash import wait_for
+from test_damaged_state import killed_in_probe
 
 
 def kept_blob(project, path: str) -> tuple:
@@ -75,3 +77,81 @@ def test_changes_the_database_lost_are_restored_and_reported(tmp_path, keep):
     project.cli("rollback", "--all", check=0)
     assert state_images(project.target) == original
     assert sqlite3.connect(project.state / "orchestrator.db").execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def kept_in_a_folder(tmp_path):
+    """A plugin kept that edits app.txt, and conf/serve.yaml by a command; a file outside the target."""
+    project = make_project(tmp_path / "p", plugins=[])
+    add_plugin(project, {"id": "tuned", "apply": [
+        {"replace": {"path": "app.txt", "old": "SPEED = 1", "new": "SPEED = 2"}},
+        {"command": {"run": ["python", "-c", "from pathlib import Path; p = Path('conf/serve.yaml'); "
+                                               "p.write_text(p.read_text().replace('seqs: 1', 'seqs: 8'))"]}}]})
+    project.cli("run", check=0)
+    assert project.outcomes() == {"tuned": ("kept", None)}
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.txt").write_bytes(b"not the target's\n")
+    return project, outside
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_replaced_by_a_link_out_of_the_target_is_not_written_through(tmp_path, force):
+    project, outside = kept_in_a_folder(tmp_path)
+    os.rename(project.target / "conf", outside / "conf")  # the kept serve.yaml now lies outside, linked back
+    os.symlink(outside / "conf", project.target / "conf")
+    before = images(project.target), images(outside)
+    proc = project.cli("rollback", "--all", *(["--force"] if force else []), check=1)
+    message = " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr
+    assert f"{project.target / 'conf' / 'serve.yaml'}" in message and "symlink" in message, message
+    assert "nothing was changed" in message, message
+    assert (images(project.target), images(outside)) == before
+    assert project.outcomes() == {"tuned": ("kept", None)}
+
+
+@pytest.mark.parametrize("tampered", ["../../outside/victim.txt", "/dev/../" + "x"])
+def test_a_recorded_path_leading_out_of_the_target_is_refused(tmp_path, tampered):
+    project, outside = kept_in_a_folder(tmp_path)
+    tampered = tampered if tampered.startswith("..") else str(outside / "victim.txt")  # also an absolute path
+    db = project.db()
+    db.execute("UPDATE files SET path = ? WHERE path = 'app.txt'", [tampered])
+    db.commit()
+    db.close()
+    before = images(project.target), images(outside)
+    proc = project.cli("rollback", "--all", "--force", check=1)
+    message = " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr
+    assert repr(tampered) in message and "nothing was changed" in message, message
+    assert (images(project.target), images(outside)) == before
+    assert project.outcomes() == {"tuned": ("kept", None)}
+
+
+def test_recovery_refuses_a_recorded_path_leading_out_of_the_target(tmp_path):
+    project, _ = killed_in_probe(tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"not the target's\n")
+    db = project.db()
+    db.execute("UPDATE files SET path = '../../victim.txt' WHERE path = 'app.txt' AND step_id = "
+               "(SELECT id FROM steps WHERE plugin = 'kill-probe')")
+    db.commit()
+    db.close()
+    before = images(project.target), victim.read_bytes()
+    proc = project.cli("recover", "--force", check=1)
+    message = " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr
+    assert "'../../victim.txt'" in message and "nothing was changed" in message, message
+    assert (images(project.target), victim.read_bytes()) == before
+
+
+def test_a_step_does_not_record_a_path_beyond_a_symlink(tmp_path):
+    """A path through a link inside the target could not be restored through real folders: the step fails."""
+    project = make_project(tmp_path / "p", plugins=[])
+    os.symlink("conf", project.target / "alias")
+    add_plugin(project, {"id": "through-link", "apply": [
+        {"replace": {"path": "alias/serve.yaml", "old": "max-num-seqs: 1", "new": "max-num-seqs: 8"}}]})
+    before = images(project.target)
+    project.cli("run", check=0)
+    step = project.status()["steps"][0]
+    assert (step["outcome"], step["reason"]) == ("rolled_back", "apply_failed"), step
+    assert "alias is a symlink" in step["detail"], step
+    assert images(project.target) == before
