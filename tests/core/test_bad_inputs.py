@@ -94,3 +94,41 @@ def test_a_missing_probe_executable_is_an_environment_failure_not_the_plugins(tm
     assert "executable not found: no-such-correctness-probe" in step["detail"]
     assert step["control"]["passed"] is False
     assert tree(project.target) == before
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """Half a kilobyte of YAML whose aliases repeat width**levels values."""
+    lines = [f"a0: &a0 [{', '.join(['x'] * width)}]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+NESTED = "deep: " + "[" * 1000 + "]" * 1000 + "\n"
+
+
+@pytest.mark.parametrize("text, says", [(alias_bomb(), "YAML aliases repeat more than 10000 values"),
+                                        (NESTED, "YAML nested more than 64 levels deep")],
+                         ids=["alias bomb", "1000 levels"])
+def test_a_manifest_too_large_or_deep_once_read_exits_2_at_once(tmp_path, says, text):
+    project = make_project(tmp_path, plugins=["speedup"])
+    manifest = project.path / "plugins" / "speedup" / "plugin.yaml"
+    manifest.write_text(manifest.read_text() + "params:\n  " + text.replace("\n", "\n  "))
+    assert len(manifest.read_bytes()) < 3000
+    refused(project, [f"{manifest}:", says], commands=(("run",), ("plugins", "validate"), ("plan",)), timeout=30)
+
+
+@pytest.mark.parametrize("text, says", [(alias_bomb(), "YAML aliases repeat more than 10000 values"),
+                                        (NESTED, "YAML nested more than 64 levels deep")],
+                         ids=["alias bomb", "1000 levels"])
+def test_a_config_too_large_or_deep_once_read_exits_2_at_once(tmp_path, says, text):
+    project = make_project(tmp_path, plugins=["speedup"])
+    project.config.write_text(project.config.read_text() + text)
+    refused(project, [f"{project.config}:", says], timeout=30)
+
+
+def test_aliases_and_nesting_within_the_bounds_are_read(tmp_path):
+    from orchestrator.loading import read_yaml
+    path = tmp_path / "ok.yaml"
+    path.write_text(alias_bomb(levels=4, width=9) + "deep: " + "[" * 60 + "1" + "]" * 60 + "\n")
+    data, _ = read_yaml(path)
+    assert len(data["a3"]) == 9 and data["a3"][0][0][0] == ["x"] * 9
