@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -437,9 +436,15 @@ def new(plugin_id: str = typer.Argument(..., help="the new plugin's id"),
         directory: Optional[Path] = typer.Option(None, "--dir", help="folder of plugins (default: the config's)"),
         config: Optional[Path] = ConfigOpt) -> None:
     """Scaffold a plugin folder with a commented plugin.yaml."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from orchestrator.plugin import PluginId
     from orchestrator.scaffold import scaffold
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", plugin_id):
-        raise ConfigError(None, "ID", f"{plugin_id!r} is not a valid plugin id (letters, digits, . _ -)")
+    try:
+        TypeAdapter(PluginId).validate_python(plugin_id)
+    except ValidationError as e:
+        raise ConfigError(None, "ID", f"{plugin_id!r} is not a valid plugin id (letters, digits, . _ -): "
+                          f"{e.errors(include_url=False)[0]['msg']}") from None
     directory = directory or _project(config).plugins_dir
     try:
         folder = scaffold(directory, plugin_id)

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Annotated, Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -18,6 +18,8 @@ from orchestrator.targets import KINDS
 MANIFEST = "plugin.yaml"
 MAX_VARIANTS = 64  # params combinations of one plugin: each is applied, probed and measured
 Kind = Literal["files", "engine", "vllm"]
+# a plugin's id names its folder, log files and table rows: readable, and well within a file name's 255 bytes
+PluginId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
 
 
 class _Strict(BaseModel):
@@ -117,7 +119,7 @@ class Check(_Action):
 
 
 class Manifest(_Strict):
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    id: PluginId
     description: str = ""
     order: int = 100
     requires: list[str] = Field(default_factory=list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from core_project import make_project, tree
+from core_project import add_plugin, make_project, tree
 from refusal import configure, refused
 
 SPEED = 'replace: {path: app.txt, old: "SPEED = 1", new: "SPEED = 2"}'
@@ -132,3 +132,24 @@ def test_aliases_and_nesting_within_the_bounds_are_read(tmp_path):
     path.write_text(alias_bomb(levels=4, width=9) + "deep: " + "[" * 60 + "1" + "]" * 60 + "\n")
     data, _ = read_yaml(path)
     assert len(data["a3"]) == 9 and data["a3"][0][0][0] == ["x"] * 9
+
+
+def test_long_plugin_ids_and_params_still_name_server_logs_the_system_accepts(tmp_path):
+    """The live server's log is named after the run, the state (plugin id and params) and the arm: however long
+    those are, the name fits in the 255 bytes a file system allows, and the plugin is judged on its change."""
+    from core_project import REPO
+    standin = REPO / "tests" / "decide" / "standin"
+    project = make_project(tmp_path, plugins=[], policy={"interleave": False, "rule": "first", "repeats": 1})
+    (project.target / "speed.txt").write_text("1.0\n")
+    plugin_id = "a" * 128
+    add_plugin(project, {"id": plugin_id, "params": {"note": ["n" * 200]},
+                         "apply": [{"replace": {"path": "speed.txt", "old": "1.0", "new": "2.0"}}]})
+    configure(project, target={"server": {"command": ["python", str(standin / "server.py"), "--port", "{port}"]}},
+              probes=[{"name": "speed", "role": "throughput", "objective": "ops", "server": True, "timeout": 30,
+                       "command": ["python", str(standin / "probe.py")]}])
+    proc = project.cli("run", env={"STANDIN_STARTS": str(tmp_path / "starts.txt"), "STANDIN_SPREAD": "0"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert project.outcomes() == {plugin_id: ("kept", None)}
+    logs = list((project.state / "server-logs").iterdir())
+    assert all(len(log.name.encode()) <= 255 for log in logs), logs
+    assert any(log.name.startswith("run1-" + "a" * 50) for log in logs), logs

@@ -34,6 +34,8 @@ BAD_MANIFESTS = {
                          ["rollback.0", "unknown kind 'replace'"]),
     "missing hooks.py": ("id: bad\napply:\n  - python: {function: tune}\n", ["apply.0.python.function", "hooks.py"]),
     "bad accept": ("id: bad\napply:\n  - " + SPEED + "\naccept: {min_gain: lots}\n", ["accept.min_gain"]),
+    "long id": ("id: " + "a" * 238 + "\napply:\n  - " + SPEED + "\n",
+                ["plugin.yaml:1", "id: String should have at most 128 characters"]),
     "accept clash": ("id: bad\napply:\n  - " + SPEED + "\naccept: {min_pairs: 50}\n",
                      ["accept: ", "min_pairs (50) exceeds max_pairs (8)"]),
 }
