@@ -169,6 +169,7 @@ def run(config: Optional[Path] = ConfigOpt,
     unknown = (only_ids | skip_ids) - {p.id for p in plugins}
     if unknown:
         raise ConfigError(project.plugins_dir, "--only/--skip", f"unknown plugin id(s): {', '.join(sorted(unknown))}")
+    project.target.check()
     with project_lock(project):
         store, journal = _open(project)
         _recover(store, journal)
@@ -213,6 +214,7 @@ def calibrate(config: Optional[Path] = ConfigOpt,
     from orchestrator.status import calibration_lines, status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
     plugins = _plugins(project)
+    project.target.check()
     with project_lock(project):
         store, journal = _open(project)
         _recover(store, journal)

@@ -72,7 +72,7 @@ class Project:
         self.policy = config.policy
         self.state_dir = self._path(config.state)
         self.plugins_dir = self._path(config.plugins)
-        self.target: Target = target_class(target.kind, source)(target, self.base_dir, self.state_dir)
+        self.target: Target = target_class(target.kind, source)(target, self.base_dir, self.state_dir, source)
         self._check_folders()
         self.probes = self._probes()
 

@@ -8,7 +8,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
 from orchestrator.targets.base import Target, TargetConfig
 
@@ -41,15 +40,22 @@ class FilesTarget(Target):
     def roots(self) -> dict[str, Path]:
         return {"target": self.resolve(self.config.root)}
 
-    def prepare(self) -> None:
+    def check(self) -> None:
         root = self.roots["target"]
         if root.is_dir():
             return
         if not self.config.copy_from:
-            raise ConfigError(None, "target.root", f"{root} is not a folder (set target.copy_from to create it)")
+            raise self.error("target.root", f"{root} is not a folder (set target.copy_from to create it)")
         src = self.resolve(self.config.copy_from)
         if not src.is_dir():
-            raise ConfigError(None, "target.copy_from", f"{src} is not a folder")
+            raise self.error("target.copy_from", f"{src} is not a folder")
+
+    def prepare(self) -> None:
+        self.check()
+        root = self.roots["target"]
+        if root.is_dir():
+            return
+        src = self.resolve(self.config.copy_from)
         tmp = root.with_name(root.name + ".orch-tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("__pycache__"))
