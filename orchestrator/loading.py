@@ -4,13 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from ruamel.yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, ScalarEvent
 
 M = TypeVar("M", bound=BaseModel)
+# every model of a config or manifest: unknown keys are errors, and a value is not converted ("2" is no count)
+STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_DEPTH = 64  # levels of nesting, as in a probe's result line
 MAX_ALIASED = 10_000  # values that aliases repeat, counted with the aliases inside them expanded
 

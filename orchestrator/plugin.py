@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from orchestrator.policy import Accept
-from orchestrator.loading import ConfigError, dotted, line_of, read_yaml, validate
+from orchestrator.loading import STRICT, ConfigError, dotted, line_of, read_yaml, validate
 from orchestrator.targets import KINDS
 
 MANIFEST = "plugin.yaml"
@@ -23,7 +23,7 @@ PluginId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_len
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
 
 class Replace(_Strict):
@@ -218,12 +218,15 @@ class Plugin:
 
 
 def confine(root: Path, rel: str, source: Path | str | None = None, fld: str | None = None) -> Path:
-    """The absolute path of `rel` inside `root`; absolute paths, `..` and escaping symlinks are refused."""
+    """The absolute path of the file `rel` inside `root`; absolute paths, `..`, a folder's name (`.`, `a/`) and
+    escaping symlinks are refused."""
     p = Path(rel)
     if not rel or p.is_absolute():
         raise ConfigError(source, fld, f"path {rel!r} must be relative to the target root")
     if ".." in p.parts:
         raise ConfigError(source, fld, f"path {rel!r} must not contain '..'")
+    if rel.rsplit("/", 1)[-1] in ("", "."):  # Path() would quietly read `.` as the root, `a.py/` as `a.py`
+        raise ConfigError(source, fld, f"path {rel!r} names a folder; name a file (without a trailing / or .)")
     root = root.resolve()
     full = (root / p).resolve()
     if full != root and not full.is_relative_to(root):

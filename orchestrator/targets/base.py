@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from orchestrator.loading import ConfigError
+from orchestrator.loading import STRICT, ConfigError
 
 if TYPE_CHECKING:
     from orchestrator.probes.live_server import LiveServer
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class TargetConfig(BaseModel):
     """The `target:` section of orchestrator.yaml; each kind subclasses it with its own fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     kind: str
 
 

@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from orchestrator.loading import STRICT
 from orchestrator.probes.live_server import LiveServer
 from orchestrator.targets.base import Target, TargetConfig
 
@@ -16,7 +17,7 @@ class ServerSpec(BaseModel):
     """A server of the folder's state that probes with `server: true` talk to (ORCHESTRATOR_BASE_URL): started
     in the target root, `{host}` and `{port}` in its command filled in, healthy once GET /health answers 200."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     command: list[str] = Field(min_length=1)
     startup_timeout: float = Field(60, gt=0)
     stop_timeout: float = Field(15, gt=0)
