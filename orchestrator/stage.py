@@ -33,8 +33,9 @@ def describe(d: decide.Decision) -> str:
 
 
 def guardrail_vetoes(policy, verdict: Verdict) -> list[str]:
+    """What vetoes a keep: the policy's guardrails, and a gain that stayed implausible."""
     return decide.check_guardrails(policy.guardrails, [s.metrics for s in verdict.base],
-                                   [s.metrics for s in verdict.cand])
+                                   [s.metrics for s in verdict.cand]) + decide.implausible_veto(verdict.decision, policy)
 
 
 def plugins_own(error: Exception) -> bool:
