@@ -106,10 +106,17 @@ class Reconciler:
         return undo
 
     def merge(self, row: dict, now: Image) -> Image | None:
-        """`now` with the plugin's change (its pre-image to its post-image) taken out, where both are UTF-8 text,
-        the mode is the post-image's and the edits since do not touch the lines it changed; else None."""
-        if not (is_blob(row["before"]) and is_blob(row["after"]) and is_blob(now[0]) and now[1] == row["after_mode"]):
+        """`now` with the plugin's change (its pre-image to its post-image) taken out: of the bytes, where all three
+        are UTF-8 text and the edits since do not touch the lines it changed; of the mode, where the edit and the
+        plugin did not both change it. None where it cannot be told apart."""
+        if not (is_blob(row["before"]) and is_blob(row["after"]) and is_blob(now[0])):
             return None
+        modes = {now[1], row["before_mode"]} - {row["after_mode"]}
+        if len(modes) > 1:
+            return None
+        mode = modes.pop() if modes else row["before_mode"]
+        if now[0] == row["after"]:
+            return row["before"], mode
         try:
             before, after, current = (self.bytes_of(i).decode("utf-8").splitlines(True)
                                       for i in (row["before"], row["after"], now[0]))
@@ -121,7 +128,7 @@ class Reconciler:
         data = "".join(merge.merge_lines()).encode("utf-8")
         digest = hashlib.sha256(data).hexdigest()
         self.data[digest] = data
-        return digest, row["before_mode"]
+        return digest, mode
 
     def replays(self, u: Unstacked) -> bool:
         """Whether the plugin's steps (of its kept params), applied to `without`, give `held` exactly; only
@@ -148,8 +155,13 @@ class Reconciler:
                 overlay[full] = data
         except StepFailed:
             return False
-        return all(is_blob(u.held[k][0]) or u.held[k][0] is None for k in paths.values()) and all(
-            overlay[path] == self.bytes_of(u.held[k][0]) for path, k in paths.items())
+        for path, k in paths.items():
+            (held, held_mode), (_, mode) = u.held[k], u.without[k]
+            if not (held is None or is_blob(held)) or overlay[path] != self.bytes_of(held):
+                return False
+            if held is not None and mode is not None and held_mode != mode:  # steps keep a file's mode
+                return False
+        return True
 
     @staticmethod
     def variant(plugin: Plugin, row: dict) -> Variant | None:
@@ -188,7 +200,8 @@ class Reconciler:
         if u.tangled:
             detail += (f"; left as it is (its change cannot be told apart from the later edit there): "
                        f"{', '.join(u.tangled)}")
-        detail += "; staged again" if u.plugin in self.staged else "; the next run stages it again"
+        detail += ("; staged again" if u.plugin in self.staged else "; the next run stages it again"
+                   if plugin is not None else "; its plugin folder is gone")
         self.deployment.remove(u.plugin, step_id, "changed_since", detail)
         self.run.reporter.outcome(u.plugin, "rolled_back", "changed_since", None)
 
