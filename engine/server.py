@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic_core import from_json
 
 from engine import tokenizer
 from engine.config import ConfigError, load_config
@@ -213,6 +214,10 @@ class Detokenizer:
 
 MAX_REQUEST_BYTES = 16 << 20  # a 256-prompt batch of 8k token ids is about 12 MiB of JSON
 MAX_PROMPTS = 256
+# JSON bytes a request may spend per token the model could take: a token id of six digits and its separator take
+# 8, a byte of a text prompt at most 6 (\u0001); twice that leaves room for whitespace
+BYTES_PER_TOKEN = 16
+OTHER_FIELDS_BYTES = 64 << 10
 
 
 @dataclass
@@ -224,6 +229,16 @@ class Limits:
     max_prompts: int = MAX_PROMPTS  # prompts of one request (a batch): more is a 400
     # what this server runs, in /v1/models: the kernel chosen for each kernel key, its device and dtype
     engine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def body(self) -> tuple[int, str]:
+        """The bytes a request body may hold and why: ``max_request_bytes``, or less where the model's context
+        could not take more (``max_prompts`` prompts of ``max_model_len`` tokens), so that a prompt far too long
+        is refused before it is read."""
+        fits = self.max_prompts * self.max_model_len * BYTES_PER_TOKEN + OTHER_FIELDS_BYTES
+        if fits < self.max_request_bytes:
+            return fits, f" ({self.max_prompts} prompts of at most {self.max_model_len} tokens)"
+        return self.max_request_bytes, ""
 
 
 @dataclass
@@ -242,36 +257,38 @@ class _Choice:
 
 
 def _prompts(req: CompletionRequest, tokenizer: Any, limits: Limits) -> list[list[int]]:
+    """The prompts as token ids; each one's length is checked before its tokens are made or looked at."""
     raw = req.prompt
     batch = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
     if not batch:
         raise BadRequest("prompt must not be empty", "prompt")
     if len(batch) > limits.max_prompts:
         raise BadRequest(f"at most {limits.max_prompts} prompts per request, got {len(batch)}", "prompt")
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
-    for i, ids in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if not ids:
+    prompts = []
+    for i, p in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        n = tokenizer.count(p) if isinstance(p, str) else len(p)
+        if not n:
             raise BadRequest(f"{where} must not be empty", "prompt")
+        if n + req.max_tokens > limits.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+                f"you requested {n + req.max_tokens} tokens ({n} in {where}, "
+                f"{req.max_tokens} in the completion). Please reduce the length of the prompt "
+                f"or completion.", "max_tokens" if n < limits.max_model_len else "prompt")
+        ids = tokenizer.encode(p) if isinstance(p, str) else p
         bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise BadRequest(f"{where} holds token id {bad[0]} outside the vocabulary "
                              f"[0, {limits.vocab_size})", "prompt")
-        if len(ids) + req.max_tokens > limits.max_model_len:
-            raise BadRequest(
-                f"This model's maximum context length is {limits.max_model_len} tokens. However, "
-                f"you requested {len(ids) + req.max_tokens} tokens ({len(ids)} in {where}, "
-                f"{req.max_tokens} in the completion). Please reduce the length of the prompt "
-                f"or completion.", "max_tokens" if len(ids) < limits.max_model_len else "prompt")
+        prompts.append(ids)
     return prompts
 
 
 def _validate(body: bytes, limits: Limits) -> CompletionRequest:
-    try:
-        data = json.loads(body)
-    except RecursionError:
-        raise BadRequest("request body is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # malformed, not UTF-8, or an integer of more than 4,300 digits
+    try:  # pydantic's parser: no recursion of Python's, and a string must be Unicode text (no lone surrogate)
+        data = from_json(body, allow_inf_nan=False)
+    except ValueError as exc:  # malformed, not UTF-8, too deep, a lone surrogate, an integer of 4,300 digits
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     try:
         req = CompletionRequest.model_validate(data)
@@ -299,17 +316,18 @@ def _usage(choices: list[_Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(c.cached for c in choices)}}
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with a 413 once it exceeds ``limit`` bytes: by its Content-Length before
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The body, refused with a 413 once it exceeds ``limits.body``: by its Content-Length before
     anything is read, else (chunked) as soon as the bytes received pass the limit."""
+    limit, why = limits.body
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit} bytes", status=413)
+        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit} bytes{why}", status=413)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+            raise BadRequest(f"request body exceeds the limit of {limit} bytes{why}", status=413)
     return bytes(body)
 
 
@@ -454,7 +472,7 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = request.app.state
-    req = _validate(await read_body(request, state.limits.max_request_bytes), state.limits)
+    req = _validate(await read_body(request, state.limits), state.limits)
     prompts = _prompts(req, state.tokenizer, state.limits)
     if not state.worker.alive:
         return error_response(f"engine stopped: {state.worker.error!r}", 503)

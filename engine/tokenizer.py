@@ -11,5 +11,10 @@ def encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+def count(text: str) -> int:
+    """How many tokens ``encode`` makes of ``text``, without making them."""
+    return len(text.encode("utf-8"))
+
+
 def decode(token_ids: list[int]) -> str:
     return bytes(t for t in token_ids if 0 <= t < NUM_BYTES).decode("utf-8", errors="replace")

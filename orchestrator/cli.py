@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -170,6 +169,7 @@ def run(config: Optional[Path] = ConfigOpt,
     unknown = (only_ids | skip_ids) - {p.id for p in plugins}
     if unknown:
         raise ConfigError(project.plugins_dir, "--only/--skip", f"unknown plugin id(s): {', '.join(sorted(unknown))}")
+    project.target.check()
     with project_lock(project):
         store, journal = _open(project)
         _recover(store, journal)
@@ -214,6 +214,7 @@ def calibrate(config: Optional[Path] = ConfigOpt,
     from orchestrator.status import calibration_lines, status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
     plugins = _plugins(project)
+    project.target.check()
     with project_lock(project):
         store, journal = _open(project)
         _recover(store, journal)
@@ -437,9 +438,15 @@ def new(plugin_id: str = typer.Argument(..., help="the new plugin's id"),
         directory: Optional[Path] = typer.Option(None, "--dir", help="folder of plugins (default: the config's)"),
         config: Optional[Path] = ConfigOpt) -> None:
     """Scaffold a plugin folder with a commented plugin.yaml."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from orchestrator.plugin import PluginId
     from orchestrator.scaffold import scaffold
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", plugin_id):
-        raise ConfigError(None, "ID", f"{plugin_id!r} is not a valid plugin id (letters, digits, . _ -)")
+    try:
+        TypeAdapter(PluginId).validate_python(plugin_id)
+    except ValidationError as e:
+        raise ConfigError(None, "ID", f"{plugin_id!r} is not a valid plugin id (letters, digits, . _ -): "
+                          f"{e.errors(include_url=False)[0]['msg']}") from None
     directory = directory or _project(config).plugins_dir
     try:
         folder = scaffold(directory, plugin_id)

@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from orchestrator.loading import ConfigError, read_yaml, validate
+from orchestrator.loading import STRICT, ConfigError, read_yaml, validate
 from orchestrator.policy import MAX_SAMPLES, Accept, Policy  # noqa: F401 - re-exported: a config holds its policy
 from orchestrator.targets import Target, TargetConfig, target_class
 
@@ -15,7 +15,7 @@ OPTIMIZATIONS = Path(__file__).resolve().parents[1] / "optimizations"
 
 
 class ProbeSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     role: Literal["correctness", "throughput", "configuration"]
     command: list[str] = Field(min_length=1)
@@ -34,7 +34,7 @@ class ProbeSpec(BaseModel):
 
 
 class Config(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     target: dict[str, Any]
     plugins: str = "plugins"
     state: str = "state"
@@ -72,7 +72,7 @@ class Project:
         self.policy = config.policy
         self.state_dir = self._path(config.state)
         self.plugins_dir = self._path(config.plugins)
-        self.target: Target = target_class(target.kind, source)(target, self.base_dir, self.state_dir)
+        self.target: Target = target_class(target.kind, source)(target, self.base_dir, self.state_dir, source)
         self._check_folders()
         self.probes = self._probes()
 

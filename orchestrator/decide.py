@@ -52,6 +52,7 @@ class Decision:
     min_gain: float | None = None
     starts: list[int] | None = None  # server starts behind the pairs: [baseline arm, candidate arm]
     between: float | None = None  # the calibrated start-to-start sd the interval counts, when it counts one
+    implausible: bool = False  # the effect stayed beyond implausible_factor after re-measuring
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,6 +211,7 @@ class Judge:
             return None
         mean, low, high = self._interval(baseline, candidate, starts)
         notes: list[str] = []
+        held = False
         if self._implausible(mean):
             prior = (self._interval(baseline[:n - 1], candidate[:n - 1], starts[:n - 1] if starts else None)[0]
                      if n - 1 >= self.min_pairs else None)
@@ -219,6 +221,7 @@ class Judge:
                 notes.append(f"implausible effect x{math.exp(mean):.3g} (factor {self.implausible_factor:g}) "
                              "could not be re-measured: pair budget spent")
             else:
+                held = True
                 notes.append(f"implausible effect x{math.exp(mean):.3g} (factor {self.implausible_factor:g}) "
                              "held after re-measuring")
         verdict = verdict_for(low, high, self.min_gain)
@@ -239,7 +242,7 @@ class Judge:
             baseline_median=statistics.median(baseline), candidate_median=statistics.median(candidate),
             rule="stat", notes=notes, confidence=self.confidence, min_gain=self.min_gain,
             starts=[len({p[0] for p in starts[:n]}), len({p[1] for p in starts[:n]})] if starts else None,
-            between=self.noise.between if counted else None)
+            between=self.noise.between if counted else None, implausible=held)
 
     def _invalid(self, baseline: Sequence[float], candidate: Sequence[float]) -> Decision | None:
         """A zero or missing objective ends the comparison at once instead of crashing the log-ratio statistics:
@@ -291,6 +294,17 @@ class Judge:
 
     def _implausible(self, log_effect: float) -> bool:
         return abs(log_effect) > math.log(self.implausible_factor)
+
+
+def implausible_veto(decision: Decision | None, policy: Policy) -> list[str]:
+    """A gain that stayed beyond ``implausible_factor`` after re-measuring is vetoed, as a guardrail vetoes: a
+    probe that did no work measures the same every time, so re-measuring cannot make it believable. A plugin
+    expected to multiply throughput says so in its ``accept: {implausible_factor: N}``."""
+    if decision is None or not decision.implausible or not decision.gain or decision.gain <= 0:
+        return []
+    return [f"implausible gain {decision.gain:+.4g} (x{decision.gain + 1:.3g}) held after re-measuring, beyond "
+            f"implausible_factor {policy.implausible_factor:g}; a plugin expected to have such an effect sets "
+            "accept: {implausible_factor: N}"]
 
 
 def outcome(decision: Decision, vetoes: Sequence[str], policy: Policy) -> tuple[str, str | None]:

@@ -77,6 +77,12 @@ class Deployment:
         step compared the plugin's post-images (its pre) with its pre-images (its post): its rows turn round."""
         with self.store.transaction():
             self.store.swap_images(step_id)
+            self.renew(plugin_id, row, step_id, reason, detail, **fields)
+
+    def renew(self, plugin_id: str, row: dict, step_id: int, reason: str, detail: str, **fields: Any) -> None:
+        """A newer step, whose rows hold the plugin's images as they are now, becomes its record at the old
+        record's place in the order."""
+        with self.store.transaction():
             self.store.deploy(plugin_id, step_id, loads(row["params"]), kept_at=row["kept_at"])
             self.store.finish_step(step_id, "kept", reason, detail, **fields)
 

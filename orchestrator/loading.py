@@ -4,12 +4,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
+from ruamel.yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, ScalarEvent
 
 M = TypeVar("M", bound=BaseModel)
+# every model of a config or manifest: unknown keys are errors, and a value is not converted ("2" is no count)
+STRICT = ConfigDict(extra="forbid", strict=True)
+MAX_DEPTH = 64  # levels of nesting, as in a probe's result line
+MAX_ALIASED = 10_000  # values that aliases repeat, counted with the aliases inside them expanded
 
 
 class ConfigError(Exception):
@@ -34,6 +39,7 @@ def read_yaml(path: Path) -> tuple[Any, Any]:
         raise ConfigError(path, None, f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start} "
                           "(save the file as UTF-8)", line) from None
     try:
+        bound(text, path)
         tree = YAML(typ="rt").load(text)
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -42,6 +48,43 @@ def read_yaml(path: Path) -> tuple[Any, Any]:
     except YAMLError as e:
         raise ConfigError(path, None, f"YAML error: {e}") from None
     return plain(tree), tree
+
+
+def bound(text: str, path: Path) -> None:
+    """Refuse, from the parser's events and before anything is built, YAML nested deeper than MAX_DEPTH (building
+    it recurses once per level) or whose aliases repeat more than MAX_ALIASED values: every reader of the data
+    copies an alias out, so nine levels of nine aliases in half a kilobyte would become 387 million values."""
+    known: dict[str, tuple[int, int]] = {}  # anchor: (values, levels) of its node, aliases expanded
+    open_: list[list] = []  # the collections open around the event: [anchor, values, levels below]
+    aliased = 0
+    for event in YAML(typ="rt").parse(text):
+        line = event.start_mark.line + 1 if event.start_mark else None
+        if isinstance(event, CollectionStartEvent):
+            if len(open_) >= MAX_DEPTH:
+                raise ConfigError(path, None, f"YAML nested more than {MAX_DEPTH} levels deep", line)
+            open_.append([event.anchor, 1, 0])
+            continue
+        if isinstance(event, CollectionEndEvent):
+            anchor, values, below = open_.pop()
+            node = (values, below + 1)
+        elif isinstance(event, ScalarEvent):
+            anchor, node = event.anchor, (1, 0)
+        elif isinstance(event, AliasEvent):
+            anchor, node = None, known.get(event.anchor, (1, 0))
+            aliased += node[0]
+            if aliased > MAX_ALIASED:
+                raise ConfigError(path, None, f"YAML aliases repeat more than {MAX_ALIASED} values; write the values "
+                                  "out or use fewer aliases", line)
+            if len(open_) + node[1] > MAX_DEPTH:
+                raise ConfigError(path, None, f"YAML nested more than {MAX_DEPTH} levels deep (through alias "
+                                  f"*{event.anchor})", line)
+        else:
+            continue
+        if anchor is not None:
+            known[anchor] = node
+        if open_:
+            open_[-1][1] += node[0]
+            open_[-1][2] = max(open_[-1][2], node[1])
 
 
 def plain(node: Any) -> Any:

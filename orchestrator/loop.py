@@ -54,6 +54,8 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
             else:
                 chain = continued(store, ctx.run_id)
                 earlier = {} if only else decided(store, chain)
+                stager.settle(plugins, {p.id for p in plugins if not ((only and p.id not in only)
+                                                                       or (skip and p.id in skip)) and p.id not in earlier})
                 stager.baseline()
                 if noise is None and project.policy.calibrate and prober.throughput:
                     stager.noise = restack.noise = calibrate(ctx, prober, kept, project.policy.calibrate.starts,

@@ -7,21 +7,23 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Annotated, Any, Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from orchestrator.policy import Accept
-from orchestrator.loading import ConfigError, dotted, line_of, read_yaml, validate
+from orchestrator.loading import STRICT, ConfigError, dotted, line_of, read_yaml, validate
 from orchestrator.targets import KINDS
 
 MANIFEST = "plugin.yaml"
 MAX_VARIANTS = 64  # params combinations of one plugin: each is applied, probed and measured
 Kind = Literal["files", "engine", "vllm"]
+# a plugin's id names its folder, log files and table rows: readable, and well within a file name's 255 bytes
+PluginId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
 
 class Replace(_Strict):
@@ -117,7 +119,7 @@ class Check(_Action):
 
 
 class Manifest(_Strict):
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    id: PluginId
     description: str = ""
     order: int = 100
     requires: list[str] = Field(default_factory=list)
@@ -216,12 +218,15 @@ class Plugin:
 
 
 def confine(root: Path, rel: str, source: Path | str | None = None, fld: str | None = None) -> Path:
-    """The absolute path of `rel` inside `root`; absolute paths, `..` and escaping symlinks are refused."""
+    """The absolute path of the file `rel` inside `root`; absolute paths, `..`, a folder's name (`.`, `a/`) and
+    escaping symlinks are refused."""
     p = Path(rel)
     if not rel or p.is_absolute():
         raise ConfigError(source, fld, f"path {rel!r} must be relative to the target root")
     if ".." in p.parts:
         raise ConfigError(source, fld, f"path {rel!r} must not contain '..'")
+    if rel.rsplit("/", 1)[-1] in ("", "."):  # Path() would quietly read `.` as the root, `a.py/` as `a.py`
+        raise ConfigError(source, fld, f"path {rel!r} names a folder; name a file (without a trailing / or .)")
     root = root.resolve()
     full = (root / p).resolve()
     if full != root and not full.is_relative_to(root):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, create_model, field_validator, model_validator
+
+from orchestrator.loading import STRICT
 
 MAX_SAMPLES = 100  # upper bound of repeats and pairs: each one is a probe run, often minutes long
 
@@ -15,13 +17,13 @@ class Calibrate(BaseModel):
     environment is recorded: `starts` fresh candidate servers of that state, `pairs` pairs each against the kept
     state's server (orchestrator/calibrate.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     starts: int = Field(4, ge=3, le=50)
     pairs: int = Field(2, ge=2, le=20)
 
 
 class Policy(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     repeats: int = Field(3, ge=1)  # baseline samples of the run; samples per arm for rule: first
     min_gain: float = Field(0.02, ge=0)
     interleave: bool = True  # pairs (B A, A B, ...) rather than the kept state's samples reused
@@ -65,6 +67,6 @@ class Policy(BaseModel):
 # Every policy field, optional: the per-plugin `accept:` block.
 Accept = create_model(
     "Accept",
-    __config__=ConfigDict(extra="forbid"),
+    __config__=STRICT,
     **{name: (Optional[f.annotation], None) for name, f in Policy.model_fields.items()},
 )

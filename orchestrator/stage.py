@@ -19,6 +19,7 @@ from orchestrator.plugin import Plugin, Variant
 from orchestrator.prober import (Arm, ArmFailed, BaselineFailed, EnvironmentFailed, Prober, Verdict, failure, medians,
                                  numbers)
 from orchestrator.probes.runner import ProbeResult
+from orchestrator.reconcile import Reconciler, Unstacked
 from orchestrator.state_server import StateServer
 from orchestrator.steps import StepFailed, apply_all, check
 from orchestrator.store import dumps
@@ -33,8 +34,9 @@ def describe(d: decide.Decision) -> str:
 
 
 def guardrail_vetoes(policy, verdict: Verdict) -> list[str]:
+    """What vetoes a keep: the policy's guardrails, and a gain that stayed implausible."""
     return decide.check_guardrails(policy.guardrails, [s.metrics for s in verdict.base],
-                                   [s.metrics for s in verdict.cand])
+                                   [s.metrics for s in verdict.cand]) + decide.implausible_veto(verdict.decision, policy)
 
 
 def plugins_own(error: Exception) -> bool:
@@ -79,6 +81,14 @@ class Stager:
         self.kept = kept
         self.deployment = deployment
         self.noise = noise
+        self.reconciler: Reconciler | None = None
+        self.renewals: dict[str, Unstacked] = {}
+
+    def settle(self, plugins: list[Plugin], staged: set[str]) -> None:
+        """Before anything is measured: kept plugins whose files changed since are undone for real where their
+        change is no longer in place, and marked for a renewed record where it is (reconcile.py)."""
+        self.reconciler = Reconciler(self.run, self.deployment, plugins, staged)
+        self.renewals = self.reconciler.settle()
 
     def baseline(self) -> None:
         """The state the run starts from: its configuration probes and correctness probes once (a failure is a
@@ -176,16 +186,12 @@ class Stager:
         self.reporter.phase(plugin.id, "preconditions")
         if kind not in m.targets:
             return self.skip(plugin, "not_applicable", f"for targets {', '.join(m.targets)}; this one is {kind}")
-        missing = [r for r in m.requires if not self.deployment.holds(r)]
+        missing = [r for r in m.requires if not (self.deployment.holds(r) or r in self.renewals)]
         if missing:
             return self.skip(plugin, "dependency_not_kept", f"requires {', '.join(missing)}, not kept")
         earlier = self.deployment.rows().get(plugin.id)
-        if earlier:
-            changed = self.deployment.drifted(earlier["step_id"])
-            if not changed:
-                return self.already_applied(plugin, earlier)
-            # staged again; the earlier record stays until a new keep replaces it, so rollback can still undo it
-            self.store.event(self.run.run_id, "stale", f"{plugin.id}: kept earlier but {', '.join(changed)} changed since")
+        if earlier:  # its change is in place: `settle` undid before the baseline what was not
+            return self.already_applied(plugin, earlier, self.renewals.get(plugin.id))
         ctx = self.run.context(plugin, None)
         for chk in plugin.variants[0].applies_if:
             if chk.runs_on(kind):
@@ -207,13 +213,21 @@ class Stager:
         self.reporter.outcome(plugin.id, "skipped", reason, None)
         return False
 
-    def already_applied(self, plugin: Plugin, earlier: dict) -> bool:
+    def already_applied(self, plugin: Plugin, earlier: dict, renewal: Unstacked | None = None) -> bool:
+        """Kept earlier and in place. With a `renewal` its files changed since around its change: this step, holding
+        them as they are with and without its change, becomes its record."""
         original = self.store.step(earlier["step_id"])
+        fields = {k: original[k] for k in ("params", "gain", "objective", "before_value", "after_value", "metrics",
+                                           "baseline_metrics")}
         step_id = self.store.new_step(self.run.run_id, plugin.id, "done", params=None)
-        self.store.finish_step(step_id, "kept", "already_applied",
-                               f"kept in run {original['run_id']}; its files are unchanged",
-                               **{k: original[k] for k in ("params", "gain", "objective", "before_value",
-                                                          "after_value", "metrics", "baseline_metrics")})
+        if renewal is None:
+            self.store.finish_step(step_id, "kept", "already_applied",
+                                   f"kept in run {original['run_id']}; its files are unchanged", **fields)
+        else:
+            self.reconciler.renew(renewal, step_id)
+            self.deployment.renew(plugin.id, earlier, step_id, "already_applied",
+                                  f"kept in run {original['run_id']}; {', '.join(renewal.changed)} changed since and "
+                                  "its change is still in place: its record now holds the later edit", **fields)
         self.reporter.outcome(plugin.id, "kept", "already_applied", original["gain"])
         return False
 

@@ -206,6 +206,9 @@ def has_history(path: Path) -> bool:
     return False
 
 
+BUSY_TIMEOUT_MS = 10_000  # how long a statement waits for another connection's lock
+
+
 class Reader:
     """The history, read only: `status` and `report` use it while a run may be writing (WAL readers never block).
     Plain sqlite3, so reading imports none of the write machinery."""
@@ -217,7 +220,7 @@ class Reader:
         try:
             self.conn = self._connect()
             self.conn.row_factory = sqlite3.Row
-            self.conn.execute("PRAGMA busy_timeout=10000")
+            self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             self.conn.execute("PRAGMA schema_version").fetchone()  # reads the header: "file is not a database"
             self._check()
             self._as_current()
@@ -430,8 +433,14 @@ class Store(Reader):
             self.conn.execute(f"PRAGMA user_version = {VERSION}")
 
     def checkpoint(self) -> bool:
-        """Copy the write-ahead log into the database file and empty it; False when a reader held part of it back."""
-        busy, _, _ = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        """Copy the write-ahead log into the database file and empty it; False when a reader held part of it back.
+        It never waits: a TRUNCATE checkpoint waits for every reader's snapshot through the busy handler, so a
+        reader holding a read transaction (`status`, sqlite3) would delay every command by the busy timeout."""
+        self.conn.execute("PRAGMA busy_timeout=0")
+        try:
+            busy, _, _ = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         return busy == 0
 
     @contextmanager

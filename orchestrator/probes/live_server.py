@@ -11,6 +11,7 @@ server start to serve several probes (``--base-url``).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
 import shlex
@@ -68,9 +69,16 @@ def engine_server_argv(config: str, host: str = "{host}", port: int | str = "{po
     return [sys.executable, "-m", ENGINE_SERVER, "--config", config, "--host", host, "--port", str(port)]
 
 
+LOG_NAME_CHARS = 120  # a file name may hold 255 bytes; a time stamp, a random part and .log follow the label
+
+
 def log_name(*parts: str) -> str:
-    """A file name made of ``parts`` (plugin ids, probe names) with anything odd replaced."""
-    return "-".join(re.sub(r"[^A-Za-z0-9._=,-]+", "_", p).strip("_") for p in parts if p) or "server"
+    """A file name made of ``parts`` (plugin ids and params, probe names) with anything odd replaced; a name of
+    more than LOG_NAME_CHARS keeps its head and a hash of the whole, so that long names stay apart."""
+    name = "-".join(re.sub(r"[^A-Za-z0-9._=,-]+", "_", p).strip("_") for p in parts if p) or "server"
+    if len(name) > LOG_NAME_CHARS:
+        name = f"{name[:LOG_NAME_CHARS - 9]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return name
 
 
 def server_label(probe: str) -> str:

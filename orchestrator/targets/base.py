@@ -4,7 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
+
+from orchestrator.loading import STRICT, ConfigError
 
 if TYPE_CHECKING:
     from orchestrator.probes.live_server import LiveServer
@@ -13,7 +15,7 @@ if TYPE_CHECKING:
 class TargetConfig(BaseModel):
     """The `target:` section of orchestrator.yaml; each kind subclasses it with its own fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     kind: str
 
 
@@ -23,10 +25,15 @@ class Target:
     kind: ClassVar[str]
     Config: ClassVar[type[TargetConfig]] = TargetConfig
 
-    def __init__(self, config: TargetConfig, base_dir: Path, state_dir: Path):
+    def __init__(self, config: TargetConfig, base_dir: Path, state_dir: Path, source: Path | None = None):
         self.config = config
         self.base_dir = Path(base_dir)
         self.state_dir = Path(state_dir)
+        self.source = source  # the config file; None: the embedded default
+
+    def error(self, field: str, message: str) -> ConfigError:
+        """A bad `target:` field, naming the config file it came from."""
+        return ConfigError(self.source or "<embedded default>", field, message)
 
     @property
     def roots(self) -> dict[str, Path]:
@@ -37,8 +44,12 @@ class Target:
     def vars(self) -> dict[str, str]:
         return {}
 
+    def check(self) -> None:
+        """Refuse, before anything is written (the state folder included), what `prepare()` could not do."""
+
     def prepare(self) -> None:
-        """Create what the target needs on first use (e.g. a workspace)."""
+        """Create what the target needs on first use (e.g. a workspace), after `check()`."""
+        self.check()
 
     def env(self) -> dict[str, str]:
         return {}

@@ -150,20 +150,40 @@ class EngineTarget(Target):
         threads = str(self.config.cpu_threads)
         return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **CPU_ALLOCATOR}
 
-    def prepare(self) -> None:
+    def check(self) -> None:
         serve = self.workspace / SERVE_CONFIG
         if serve.exists():
             self._check_matches(serve)
-            return
+        else:
+            self._engine_config(self._baseline(), self._overrides())
+
+    def _baseline(self) -> Path:
         baseline = self.resolve(self.config.baseline) if self.config.baseline else shipped_baseline()
+        if not baseline.is_file():
+            raise self.error("target.baseline", f"cannot read {baseline}: not a file")
+        return baseline
+
+    def _engine_config(self, path: Path, overrides: dict[str, Any] | None = None) -> None:
+        """The serve config at `path` (with `overrides`) as the engine reads it, or the engine's objection."""
+        from engine.config import ConfigError as EngineConfigError, load_config
         try:
-            text = baseline.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(None, "target.baseline", f"cannot read {baseline}: {exc.strerror or exc}") from None
+            load_config(path, overrides)
+        except EngineConfigError as exc:
+            raise self.error("target.baseline", str(exc)) from None
+
+    def prepare(self) -> None:
+        self.check()
+        serve = self.workspace / SERVE_CONFIG
+        if serve.exists():
+            return
         self.workspace.mkdir(parents=True, exist_ok=True)
         tmp = serve.with_suffix(".yaml.tmp")
-        tmp.write_text(_set_keys(text, self._overrides()), encoding="utf-8")
-        _validate(tmp, "target.baseline")
+        tmp.write_text(_set_keys(self._baseline().read_text(encoding="utf-8"), self._overrides()), encoding="utf-8")
+        try:  # relative paths in it now resolve against the workspace
+            self._engine_config(tmp)
+        except ConfigError:
+            tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(serve)
 
     def _check_matches(self, serve: Path) -> None:
@@ -174,7 +194,7 @@ class EngineTarget(Target):
         differ = {k: (current.get(k), v) for k, v in self._overrides().items() if current.get(k) != v}
         if differ:
             what = ", ".join(f"{k}: {a!r} there, {b!r} asked" for k, (a, b) in differ.items())
-            raise ConfigError(None, "target", f"the engine workspace {self.workspace} was made for another "
+            raise self.error("target", f"the engine workspace {self.workspace} was made for another "
                               f"setup ({what}); use another state folder (--state) or remove that one")
 
     def default_probes(self) -> list[dict[str, Any]]:
@@ -281,13 +301,3 @@ def _set_keys(text: str, values: dict[str, Any]) -> str:
     out = io.StringIO()
     yaml.dump(data, out)
     return out.getvalue()
-
-
-def _validate(path: Path, field: str) -> None:
-    from engine.config import ConfigError as EngineConfigError, load_config
-
-    try:
-        load_config(path)
-    except EngineConfigError as exc:
-        path.unlink(missing_ok=True)
-        raise ConfigError(None, field, str(exc)) from None

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from orchestrator.loading import ConfigError
+from orchestrator.loading import STRICT
 from orchestrator.probes.live_server import LiveServer
 from orchestrator.targets.base import Target, TargetConfig
 
@@ -17,7 +17,7 @@ class ServerSpec(BaseModel):
     """A server of the folder's state that probes with `server: true` talk to (ORCHESTRATOR_BASE_URL): started
     in the target root, `{host}` and `{port}` in its command filled in, healthy once GET /health answers 200."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     command: list[str] = Field(min_length=1)
     startup_timeout: float = Field(60, gt=0)
     stop_timeout: float = Field(15, gt=0)
@@ -41,15 +41,22 @@ class FilesTarget(Target):
     def roots(self) -> dict[str, Path]:
         return {"target": self.resolve(self.config.root)}
 
-    def prepare(self) -> None:
+    def check(self) -> None:
         root = self.roots["target"]
         if root.is_dir():
             return
         if not self.config.copy_from:
-            raise ConfigError(None, "target.root", f"{root} is not a folder (set target.copy_from to create it)")
+            raise self.error("target.root", f"{root} is not a folder (set target.copy_from to create it)")
         src = self.resolve(self.config.copy_from)
         if not src.is_dir():
-            raise ConfigError(None, "target.copy_from", f"{src} is not a folder")
+            raise self.error("target.copy_from", f"{src} is not a folder")
+
+    def prepare(self) -> None:
+        self.check()
+        root = self.roots["target"]
+        if root.is_dir():
+            return
+        src = self.resolve(self.config.copy_from)
         tmp = root.with_name(root.name + ".orch-tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("__pycache__"))

@@ -62,8 +62,9 @@ class VllmConfig(TargetConfig):
         return args
 
 
-def find_package() -> Path:
-    """The folder of the importable `vllm` package, found without executing it."""
+def find_package(source: Path | str | None = None) -> Path:
+    """The folder of the importable `vllm` package, found without executing it; `source`: the config to name
+    when there is none."""
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
@@ -73,7 +74,7 @@ def find_package() -> Path:
         located = None
     if located is not None and (located / "__init__.py").is_file():
         return located
-    raise ConfigError(None, "target.package", "vllm is not installed for this interpreter "
+    raise ConfigError(source, "target.package", "vllm is not installed for this interpreter "
                       f"({sys.executable}); install it or give the package folder as target.package")
 
 
@@ -83,7 +84,8 @@ class VllmTarget(Target):
 
     @property
     def package(self) -> Path:
-        return self.resolve(self.config.package) if self.config.package else find_package()
+        return self.resolve(self.config.package) if self.config.package else find_package(
+            self.source or "<embedded default>")
 
     @property
     def serve_config(self) -> Path:
@@ -97,16 +99,16 @@ class VllmTarget(Target):
     def vars(self) -> dict[str, str]:
         return {"serve_config": self.serve_config.name}
 
-    def prepare(self) -> None:
+    def check(self) -> None:
         """Fails early, naming the field, when the package or the serve config is not usable."""
         package = self.package
         if not (package / "__init__.py").is_file():
-            raise ConfigError(None, "target.package", f"{package} is not a vllm package folder (no __init__.py)")
+            raise self.error("target.package", f"{package} is not a vllm package folder (no __init__.py)")
         if not self.serve_config.is_file():
-            raise ConfigError(None, "target.serve_config", f"{self.serve_config} does not exist; create a "
+            raise self.error("target.serve_config", f"{self.serve_config} does not exist; create a "
                               "`vllm serve --config` YAML (e.g. `model: Qwen/Qwen3-30B-A3B`)")
         if self.config.model is None and not _config_has_model(self.serve_config):
-            raise ConfigError(None, "target.serve_config", f"{self.serve_config} names no `model:`; "
+            raise self.error("target.serve_config", f"{self.serve_config} names no `model:`; "
                               "add one or set target.model")
 
     def env(self) -> dict[str, str]:

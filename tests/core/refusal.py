@@ -16,11 +16,12 @@ def configure(project, **changes) -> None:
     project.config.write_text(yaml.safe_dump(config))
 
 
-def refused(project, expected: list[str], commands=(("run",), ("rollback", "--all"), ("recover",), ("status",))):
+def refused(project, expected: list[str], commands=(("run",), ("rollback", "--all"), ("recover",), ("status",)),
+            timeout: float = 120):
     """Every command exits 2 with all of `expected` in its message and leaves the whole project as it was."""
     before = tree(project.path)
     for command in commands:
-        proc = project.cli(*command)
+        proc = project.cli(*command, timeout=timeout)
         message = " ".join(proc.stderr.split())
         assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
         assert "Traceback" not in proc.stderr

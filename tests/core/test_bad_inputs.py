@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from core_project import make_project, tree
+from core_project import add_plugin, make_project, tree
 from refusal import configure, refused
 
 SPEED = 'replace: {path: app.txt, old: "SPEED = 1", new: "SPEED = 2"}'
@@ -94,3 +94,62 @@ def test_a_missing_probe_executable_is_an_environment_failure_not_the_plugins(tm
     assert "executable not found: no-such-correctness-probe" in step["detail"]
     assert step["control"]["passed"] is False
     assert tree(project.target) == before
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """Half a kilobyte of YAML whose aliases repeat width**levels values."""
+    lines = [f"a0: &a0 [{', '.join(['x'] * width)}]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+NESTED = "deep: " + "[" * 1000 + "]" * 1000 + "\n"
+
+
+@pytest.mark.parametrize("text, says", [(alias_bomb(), "YAML aliases repeat more than 10000 values"),
+                                        (NESTED, "YAML nested more than 64 levels deep")],
+                         ids=["alias bomb", "1000 levels"])
+def test_a_manifest_too_large_or_deep_once_read_exits_2_at_once(tmp_path, says, text):
+    project = make_project(tmp_path, plugins=["speedup"])
+    manifest = project.path / "plugins" / "speedup" / "plugin.yaml"
+    manifest.write_text(manifest.read_text() + "params:\n  " + text.replace("\n", "\n  "))
+    assert len(manifest.read_bytes()) < 3000
+    refused(project, [f"{manifest}:", says], commands=(("run",), ("plugins", "validate"), ("plan",)), timeout=30)
+
+
+@pytest.mark.parametrize("text, says", [(alias_bomb(), "YAML aliases repeat more than 10000 values"),
+                                        (NESTED, "YAML nested more than 64 levels deep")],
+                         ids=["alias bomb", "1000 levels"])
+def test_a_config_too_large_or_deep_once_read_exits_2_at_once(tmp_path, says, text):
+    project = make_project(tmp_path, plugins=["speedup"])
+    project.config.write_text(project.config.read_text() + text)
+    refused(project, [f"{project.config}:", says], timeout=30)
+
+
+def test_aliases_and_nesting_within_the_bounds_are_read(tmp_path):
+    from orchestrator.loading import read_yaml
+    path = tmp_path / "ok.yaml"
+    path.write_text(alias_bomb(levels=4, width=9) + "deep: " + "[" * 60 + "1" + "]" * 60 + "\n")
+    data, _ = read_yaml(path)
+    assert len(data["a3"]) == 9 and data["a3"][0][0][0] == ["x"] * 9
+
+
+def test_long_plugin_ids_and_params_still_name_server_logs_the_system_accepts(tmp_path):
+    """The live server's log is named after the run, the state (plugin id and params) and the arm: however long
+    those are, the name fits in the 255 bytes a file system allows, and the plugin is judged on its change."""
+    from core_project import REPO
+    standin = REPO / "tests" / "decide" / "standin"
+    project = make_project(tmp_path, plugins=[], policy={"interleave": False, "rule": "first", "repeats": 1})
+    (project.target / "speed.txt").write_text("1.0\n")
+    plugin_id = "a" * 128
+    add_plugin(project, {"id": plugin_id, "params": {"note": ["n" * 200]},
+                         "apply": [{"replace": {"path": "speed.txt", "old": "1.0", "new": "2.0"}}]})
+    configure(project, target={"server": {"command": ["python", str(standin / "server.py"), "--port", "{port}"]}},
+              probes=[{"name": "speed", "role": "throughput", "objective": "ops", "server": True, "timeout": 30,
+                       "command": ["python", str(standin / "probe.py")]}])
+    proc = project.cli("run", env={"STANDIN_STARTS": str(tmp_path / "starts.txt"), "STANDIN_SPREAD": "0"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert project.outcomes() == {plugin_id: ("kept", None)}
+    logs = list((project.state / "server-logs").iterdir())
+    assert all(len(log.name.encode()) <= 255 for log in logs), logs
+    assert any(log.name.startswith("run1-" + "a" * 50) for log in logs), logs

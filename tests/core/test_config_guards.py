@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import yaml
 
 from core_project import make_project
 from refusal import configure, refused
@@ -68,3 +69,25 @@ def test_the_engine_workspace_inside_the_state_folder_is_fine(tmp_path):
     from orchestrator.config import embedded_default
     project = embedded_default(tmp_path)
     assert project.target.roots["workspace"] == project.state_dir / "engine"
+
+
+@pytest.mark.parametrize("target, says", [
+    ({"root": "made", "copy_from": "no-such-seed"}, "target.copy_from: {path}/no-such-seed is not a folder"),
+    ({"root": "made"}, "target.root: {path}/made is not a folder (set target.copy_from to create it)"),
+])
+def test_a_target_that_cannot_be_made_is_refused_before_the_state_folder_is(tmp_path, target, says):
+    project = make_project(tmp_path, plugins=["speedup"])
+    configure(project, target=target)
+    refused(project, [str(project.config), says.format(path=project.path)], commands=(("run",), ("calibrate",)))
+    assert not project.state.exists()
+
+
+def test_an_engine_baseline_the_engine_refuses_is_refused_before_the_state_folder_is(tmp_path):
+    project = make_project(tmp_path, plugins=[])
+    (project.path / "serve.yaml").write_text("model: tiny\nfrobnicate: 3\n")
+    config = yaml.safe_load(project.config.read_text())
+    config["target"] = {"kind": "engine", "baseline": "serve.yaml"}
+    project.config.write_text(yaml.safe_dump(config))
+    refused(project, [str(project.config), f"target.baseline: {project.path / 'serve.yaml'}: frobnicate: unknown key"],
+            commands=(("run",),))
+    assert not project.state.exists()

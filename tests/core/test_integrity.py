@@ -155,3 +155,26 @@ def test_a_step_does_not_record_a_path_beyond_a_symlink(tmp_path):
     assert (step["outcome"], step["reason"]) == ("rolled_back", "apply_failed"), step
     assert "alias is a symlink" in step["detail"], step
     assert images(project.target) == before
+
+
+def test_a_reader_holding_a_read_transaction_delays_no_command(tmp_path):
+    """Readers of the history in WAL mode never block its writer: a command ends without waiting for a reader's
+    snapshot (the write-ahead log is copied into the database file only as far as no reader needs it), and once
+    the reader is gone the next command copies the rest and empties the intent log."""
+    import time
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    project.cli("run", check=0)
+    reader = sqlite3.connect(project.state / "orchestrator.db", isolation_level=None)
+    reader.execute("BEGIN")
+    assert reader.execute("SELECT count(*) FROM steps").fetchone()[0] > 0
+    for command in (("run",), ("rollback", "--all")):
+        started = time.monotonic()
+        project.cli(*command, check=0)
+        assert time.monotonic() - started < 9, command  # a checkpoint that waited for the reader took 10 s more
+    intents = project.state / "intents.jsonl"
+    assert intents.stat().st_size > 0  # the reader's snapshot held the write-ahead log back
+    reader.execute("COMMIT")
+    reader.close()
+    project.cli("run", check=0)
+    assert not intents.exists()
+    assert project.outcomes() == {"speedup": ("kept", None)}

@@ -30,7 +30,9 @@ def flip_project(tmp_path, command: str, plugin_id: str = "flip"):
     set_probes(project, [{"name": "correct", "role": "correctness", "command": CORRECT},
                          {"name": "speed", "role": "throughput", "command": SPEED, "objective": "score"}])
     layout(project)
-    add_plugin(project, {"id": plugin_id, "apply": [{"command": {"run": ["sh", "-c", command]}}]})
+    # v2 is nine times as fast: a gain the plugin says it expects (an implausible one is vetoed otherwise)
+    add_plugin(project, {"id": plugin_id, "apply": [{"command": {"run": ["sh", "-c", command]}}],
+                         "accept": {"implausible_factor": 10}})
     return project
 
 

@@ -34,6 +34,22 @@ BAD_MANIFESTS = {
                          ["rollback.0", "unknown kind 'replace'"]),
     "missing hooks.py": ("id: bad\napply:\n  - python: {function: tune}\n", ["apply.0.python.function", "hooks.py"]),
     "bad accept": ("id: bad\napply:\n  - " + SPEED + "\naccept: {min_gain: lots}\n", ["accept.min_gain"]),
+    "root as a path": ("id: bad\napply:\n  - replace: {path: ., old: a, new: b}\n",
+                       ["apply.0.replace.path", "path '.' names a folder; name a file"]),
+    "trailing slash": ("id: bad\napply:\n  - yaml_set: {path: conf/, key: a, value: 1}\n",
+                       ["apply.0.yaml_set.path", "path 'conf/' names a folder"]),
+    "file with a slash": ("id: bad\napply:\n  - " + SPEED + "\nverify:\n  - contains: {path: app.txt/, text: x}\n",
+                          ["verify.0.contains.path", "path 'app.txt/' names a folder"]),
+    "deploy to a folder": ("id: bad\napply:\n  - deploy: {src: plugin.yaml, dest: conf/.}\n",
+                           ["apply.0.deploy.dest", "path 'conf/.' names a folder"]),
+    "count as a string": ("id: bad\napply:\n  - replace: {path: app.txt, old: a, new: b, count: \"2\"}\n",
+                          ["plugin.yaml:3", "apply.0.replace.count: Input should be a valid integer"]),
+    "flag as a string": ("id: bad\nchanges_numerics: \"yes\"\napply:\n  - " + SPEED + "\n",
+                         ["plugin.yaml:2", "changes_numerics: Input should be a valid boolean"]),
+    "accept as a string": ("id: bad\napply:\n  - " + SPEED + "\naccept: {min_gain: \"0.1\"}\n",
+                           ["accept.min_gain: Input should be a valid number"]),
+    "long id": ("id: " + "a" * 238 + "\napply:\n  - " + SPEED + "\n",
+                ["plugin.yaml:1", "id: String should have at most 128 characters"]),
     "accept clash": ("id: bad\napply:\n  - " + SPEED + "\naccept: {min_pairs: 50}\n",
                      ["accept: ", "min_pairs (50) exceeds max_pairs (8)"]),
 }
@@ -80,6 +96,8 @@ def test_bad_manifest_through_the_real_cli(tmp_path):
     (lambda c: c["probes"][1].pop("objective"), "needs `objective`"),
     (lambda c: c["probes"].append(dict(c["probes"][0])), "duplicate probe names"),
     (lambda c: c["policy"].update(guardrails={"p99_ms": "small please"}), "guardrail 'p99_ms': cannot parse"),
+    (lambda c: c["policy"].update(repeats="3"), "policy.repeats: Input should be a valid integer"),
+    (lambda c: c["probes"][0].update(timeout="30"), "probes.0.timeout: Input should be a valid number"),
 ])
 def test_bad_config_exits_2(tmp_path, mutate, expected):
     project = make_project(tmp_path / "p", plugins=["speedup"])

@@ -6,8 +6,8 @@ import pytest
 from scipy import stats
 
 from orchestrator.policy import Policy
-from orchestrator.decide import (Decision, Judge, first_rule, outcome, paired_interval, verdict_for,
-                                 welch_interval)
+from orchestrator.decide import (Decision, Judge, first_rule, implausible_veto, outcome, paired_interval,
+                                 verdict_for, welch_interval)
 
 
 def policy(**kw):
@@ -134,13 +134,24 @@ def test_pairing_cancels_drift_that_sequential_judging_cannot():
     assert unpaired.verdict == "inconclusive"
 
 
-def test_implausible_gain_is_remeasured_once_then_believed():
+def test_implausible_gain_is_remeasured_once_then_vetoed():
     judge = Judge(policy(implausible_factor=3.0))
     base, cand = BASE[:5], [400.0, 410.0, 405.0, 402.0, 408.0]
     assert judge.decide(base[:3], cand[:3], final=False) is None
     d = judge.decide(base[:4], cand[:4], final=False)
-    assert d.verdict == "keep" and d.n_candidate == 4
+    assert d.verdict == "keep" and d.n_candidate == 4 and d.implausible
     assert any("implausible" in note and "held" in note for note in d.notes)
+    [veto] = implausible_veto(d, policy(implausible_factor=3.0))
+    assert "held after re-measuring, beyond implausible_factor 3" in veto
+    assert outcome(d, [veto], policy()) == ("rolled_back", "guardrail")
+
+
+def test_a_plugin_expecting_a_large_gain_raises_the_factor_and_is_kept():
+    expecting = policy(implausible_factor=10.0)
+    base, cand = BASE[:4], [400.0, 410.0, 405.0, 402.0]
+    d, n = judge_sequence(Judge(expecting), base, cand)
+    assert (d.verdict, d.implausible, n) == ("keep", False, 3)
+    assert implausible_veto(d, expecting) == [] and outcome(d, [], expecting) == ("kept", None)
 
 
 def test_implausible_gain_that_fades_is_judged_on_the_new_evidence():
@@ -153,13 +164,14 @@ def test_implausible_gain_that_fades_is_judged_on_the_new_evidence():
 def test_implausible_gain_at_the_last_pair_is_decided_with_a_note():
     judge = Judge(policy(min_pairs=3, max_pairs=3, implausible_factor=3.0))
     d = judge.decide(BASE[:3], [400.0, 410.0, 405.0], final=True)
-    assert d.verdict == "keep" and "could not be re-measured" in d.notes[0]
+    assert d.verdict == "keep" and "could not be re-measured" in d.notes[0] and not d.implausible
 
 
 def test_implausible_slowdown_is_flagged_too():
     judge = Judge(policy(implausible_factor=3.0))
     assert judge.decide(BASE[:3], [20.0, 21.0, 20.5], final=False) is None
-    assert judge.decide(BASE[:4], [20.0, 21.0, 20.5, 20.2], final=False).verdict == "regressed"
+    d = judge.decide(BASE[:4], [20.0, 21.0, 20.5, 20.2], final=False)
+    assert d.verdict == "regressed" and implausible_veto(d, policy()) == []  # rolled back as regressed, no veto
 
 
 def test_a_zero_candidate_is_a_regression_at_once():

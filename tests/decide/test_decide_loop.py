@@ -104,3 +104,34 @@ def test_report_of_the_run(finished):
     assert "Kept 1, rolled back 3, skipped 0." in text
     assert "guardrail veto: mem_mb" in text
     assert (out / f"run-{run_id}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_implausible_gain_that_holds_is_vetoed_unless_the_plugin_expects_it(tmp_path):
+    """A probe reporting 10^300 times the baseline's throughput is re-measured, stays implausible and is vetoed
+    (rolled back as a guardrail, saying why); a plugin that declares a large effect (accept: implausible_factor)
+    is judged by its interval and kept."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "app.txt").write_text(APP)
+    (tmp_path / "probe.py").write_text(PROBE)
+    plugin(tmp_path / "plugins" / "absurd", "absurd", 10, "NOOP = 1.00", "NOOP = 1" + "0" * 300 + ".00",
+           "a probe that did no work")
+    plugin(tmp_path / "plugins" / "big", "big", 20, "FAST = 1.00", "FAST = 5.00", "five times the throughput")
+    manifest = tmp_path / "plugins" / "big" / "plugin.yaml"
+    manifest.write_text(manifest.read_text() + "accept: {implausible_factor: 10}\n")
+    config = {"target": {"kind": "files", "root": "target"}, "plugins": "plugins", "state": "state",
+              "probes": [{"name": "speed", "role": "throughput", "command": ["python", "probe.py"], "timeout": 30,
+                          "objective": "score"}],
+              "policy": {"rule": "stat", "interleave": True, "min_pairs": 3, "max_pairs": 8}}
+    (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    for command in (["run"], ["status", "--json"]):
+        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *command], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = {s["plugin"]: s for s in json.loads(proc.stdout)["steps"]}
+    absurd = steps["absurd"]
+    assert (absurd["outcome"], absurd["reason"]) == ("rolled_back", "guardrail"), absurd
+    assert absurd["decision"]["n_candidate"] > 3  # re-measured first
+    assert "implausible" in absurd["detail"] and "held after re-measuring" in absurd["detail"], absurd["detail"]
+    assert (steps["big"]["outcome"], steps["big"]["reason"]) == ("kept", None)
+    assert (tmp_path / "target" / "app.txt").read_text() == APP.replace("FAST = 1.00", "FAST = 5.00")

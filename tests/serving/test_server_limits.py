@@ -87,3 +87,48 @@ def test_the_defaults_are_documented_and_a_bad_limit_is_refused(tiny_config):
     proc = subprocess.run([PY, "-m", "engine.server", "--config", str(tiny_config), "--max-prompts-per-request",
                            "0"], capture_output=True, text=True, timeout=60, env=env())
     assert proc.returncode == 2 and "--max-prompts-per-request must be at least 1" in proc.stderr
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "\\ud800", "max_tokens": 1}',
+    b'{"prompt": "a\\udc00b", "max_tokens": 1}',
+    b'{"prompt": ["ok", "\\ud800"], "max_tokens": 1}',
+    b'{"prompt": "hi", "max_tokens": 1, "user": "\\ud800"}',
+    b'{"prompt": "hi", "max_tokens": 1, "model": "\\udfff"}',
+], ids=["prompt", "inside a prompt", "in a batch", "user", "model"])
+def test_a_lone_surrogate_is_a_400_and_the_server_goes_on(server, body):
+    """Valid JSON, but no Unicode text: a string holding half of a UTF-16 surrogate pair."""
+    resp = post(server, content=body, headers={"content-type": "application/json"})
+    error = assert_error(resp, 400, "request body is not valid JSON")
+    assert error["type"] == "BadRequestError"
+    assert httpx.get(f"{server}/health").status_code == 200
+    pair = post(server, content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1, "return_token_ids": true}',
+                headers={"content-type": "application/json"})
+    assert pair.status_code == 200 and pair.json()["choices"][0]["prompt_token_ids"] == list("😀".encode())
+
+
+def test_a_prompt_longer_than_the_model_allows_is_refused_before_its_body_is_read(server):
+    """256 prompts of 256 tokens at most (the tiny config): a 16 MB body is refused by its Content-Length at once,
+    while the client is still sending; a whole request of the longest prompt, pretty-printed, is served."""
+    import socket
+    from urllib.parse import urlsplit
+    size = 16_000_000
+    address = urlsplit(server)
+    with socket.create_connection((address.hostname, address.port), timeout=20) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {address.netloc}\r\ncontent-type: application/json\r\n"
+                     f"content-length: {size}\r\n\r\n".encode() + b'{"max_tokens": 1, "prompt": "' + b"a" * 10_000)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)  # a server that waits for all 16 MB times out here
+            if not chunk:
+                break
+            answer += chunk
+    head, _, text = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+    error = json.loads(text)["error"]
+    assert error["type"] == "RequestTooLargeError" and error["code"] == 413
+    assert f"request body of {size} bytes exceeds the limit of" in error["message"]
+    assert "256 prompts of at most 256 tokens" in error["message"]
+    longest = json.dumps({"prompt": [[255] * 255] * 256, "max_tokens": 1}, indent=1).encode()
+    ok = post(server, content=longest, headers={"content-type": "application/json"})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 256
