@@ -77,11 +77,3 @@ def decay_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of ``gdn_gating``'s g for activations of ``dtype``: float32 (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
 
-
-def conv_spans(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
-    """Each sequence's [start, end) rows of x flattened to [B * T, C]; reads ``cu_seqlens`` on the host."""
-    if cu_seqlens is None:
-        t = x.shape[1]
-        return [(i * t, (i + 1) * t) for i in range(x.shape[0])]
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))

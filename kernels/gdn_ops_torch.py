@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import gdn_ops
+from kernels import gdn, gdn_ops
 
 
 def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None):
@@ -24,7 +24,7 @@ def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None):
     rows = x.reshape(-1, x.shape[2])
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     width = weight.shape[1]
-    for i, (first, end) in enumerate(gdn_ops.conv_spans(x, cu_seqlens)):
+    for i, (first, end) in enumerate(gdn.spans(x.shape[0], x.shape[1], cu_seqlens)):
         if first == end:  # an empty sequence keeps its state
             continue
         slot = slots[i:i + 1]

@@ -107,7 +107,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_slots=None):
     """Token by token, every head at once (the contract: ``kernels/gdn.py``)."""
     n = gdn.check(q, k, v, g, beta, initial_state, cu_seqlens, state_slots)
-    qf, kf, vf, gf, bf, cu = gdn.packed(q, k, v, g, beta, cu_seqlens)
+    qf, kf, vf, gf, bf = gdn.packed(q, k, v, g, beta)
     qf, kf, vf, gf, bf = (x.double() for x in (qf, kf, vf, gf, bf))
     if use_qk_l2norm_in_kernel:
         qf, kf = gdn.l2norm(qf), gdn.l2norm(kf)
@@ -116,7 +116,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     buf, slots, returned = gdn.state_buffer(q, v, initial_state, state_slots, n)
     out = torch.zeros(vf.shape, dtype=torch.float64, device=q.device)
-    for i, (a, b) in enumerate(gdn.spans(cu)):
+    for i, (a, b) in enumerate(gdn.spans(*q.shape[:2], cu_seqlens)):
         slot = int(slots[i])
         s = buf[slot].double()  # [H, K, V]
         for t in range(a, b):
@@ -135,7 +135,7 @@ def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None):
     rows, w = x.reshape(-1, x.shape[2]).double(), weight.double()
     width = w.shape[1]
     out = torch.empty(rows.shape, dtype=torch.float64, device=x.device)
-    for i, (first, end) in enumerate(gdn_ops.conv_spans(x, cu_seqlens)):
+    for i, (first, end) in enumerate(gdn.spans(x.shape[0], x.shape[1], cu_seqlens)):
         slot = int(state_slots[i])
         seq = torch.cat([conv_state[slot].double(), rows[first:end].T], dim=-1)  # [C, W - 1 + n]
         for t in range(end - first):
