@@ -88,6 +88,16 @@ def triton_runs(device: torch.device) -> bool:
     return device.type == "cuda" or kernels.INTERPRET_REQUESTED
 
 
+def gdn_triton_runs(config: EngineConfig) -> tuple[bool, str]:
+    """Whether a Triton variant of a Gated DeltaNet key would run for ``config`` here (the model has
+    such layers and Triton runs on its device), and a line saying so: elsewhere the key falls back,
+    and setting it changes nothing."""
+    device = config.torch_device()
+    hybrid, runs = config.hf.is_hybrid, triton_runs(device)
+    return hybrid and runs, (f"model {config.model} has Gated DeltaNet layers: {hybrid}; "
+                             f"Triton runs on {device}: {runs}")
+
+
 def self_check(op: str, variant: str, args: dict, extra: dict) -> str | None:
     """None when ``variant`` matches the reference on ``args``, else why not."""
     device = next(v for v in args.values() if isinstance(v, torch.Tensor)).device

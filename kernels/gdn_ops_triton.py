@@ -1,7 +1,7 @@
 """The Gated DeltaNet layer's convolution, gates and gated RMSNorm, one Triton kernel each (contracts:
 ``kernels/gdn_ops.py``; the torch fallbacks in ``kernels/gdn_ops_torch.py``).
 
-In a decode step these replace about 25 small torch ops per layer (gathers, casts, elementwise ops
+In a 16-bit decode step these replace 27 small torch ops per layer (gathers, casts, elementwise ops
 and scatters) by three launches; all compute in float32 and round once. None reads anything back to
 the host, and the convolution reaches each sequence's state through the slot tensor on the device:
 a decode step can be captured in a CUDA graph.

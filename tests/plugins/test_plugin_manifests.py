@@ -23,7 +23,7 @@ SHIPPED = {
     "prefill-pregather", "prefill-triton", "prefill-triton-autotune", "prefill-triton-tuning",  # prefix prefill
     "moe-sorted", "moe-triton",                                                 # MoE
     "fused-norm-rope", "cuda-graphs",                                           # engine decode steps
-    "gdn-prefill-triton", "gdn-decode-triton",                                  # Gated DeltaNet
+    "gdn-prefill-triton", "gdn-decode-triton", "gdn-fused-triton",              # Gated DeltaNet
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
     "max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",  # vLLM serve options
     "kv-cache-fp8", "cudagraph-capture-size",
