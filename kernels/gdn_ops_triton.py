@@ -38,12 +38,13 @@ def _conv_kernel(X, W, STATE, SLOTS, CU, OUT, sxb, sxt, sob, sot, T, C,
     for t0 in range(bos, eos, BLOCK_T):
         t = t0 + r
         tok = (t < eos)[:, None] & cok[None, :]
+        rows = x_base + t[:, None] * sxt + c[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
         for j in tl.static_range(WIDTH):
-            src = t - (WIDTH - 1) + j  # the input this tap reads: a row of x, or the state before the sequence
-            xv = tl.load(x_base + src[:, None] * sxt + c[None, :], mask=tok & (src >= bos)[:, None], other=0.0)
-            sv = tl.load(state[None, :] + (src - bos + WIDTH - 1)[:, None], mask=tok & (src < bos)[:, None],
-                         other=0.0)
+            # tap j reads input t - (W - 1) + j: a row of x, or before the sequence its state's column t - bos + j
+            in_x = (t + j >= bos + WIDTH - 1)[:, None]
+            xv = tl.load(rows + (j - (WIDTH - 1)) * sxt, mask=tok & in_x, other=0.0)
+            sv = tl.load(state[None, :] + (t - bos + j)[:, None], mask=tok & ~in_x, other=0.0)
             w = tl.load(W + c * WIDTH + j, mask=cok, other=0.0).to(tl.float32)
             acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
         out = acc / (1.0 + tl.exp(-acc))
@@ -60,18 +61,21 @@ def _conv_kernel(X, W, STATE, SLOTS, CU, OUT, sxb, sxt, sob, sot, T, C,
 
 
 def causal_conv1d_triton(x, weight, conv_state, state_slots, cu_seqlens=None, block_c=256, num_warps=4):
-    """One program per ``block_c`` channels of a sequence, 16 tokens at a time (one in a decode step)."""
+    """One program per ``block_c`` channels of a sequence, walking its tokens 64 at a time (one in a
+    decode step); prefills take narrower channel blocks (1,024 elements a tile), which also gives a
+    long sequence many programs."""
     n = gdn_ops.check_conv(x, weight, conv_state, state_slots, cu_seqlens)
     b, t, c = x.shape
     width = weight.shape[1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n and t:
-        block_c = min(block_c, triton_env.pow2(c))
+        block_t = min(64, triton_env.pow2(t))
+        block_c = min(block_c, triton_env.pow2(c), max(16, 1024 // block_t))
         cu = cu_seqlens if cu_seqlens is not None else state_slots  # unread without cu_seqlens
         _conv_kernel[(triton.cdiv(c, block_c), n)](
             x, weight.contiguous(), conv_state, state_slots, cu, out, x.stride(0), x.stride(1), out.stride(0),
             out.stride(1), t, c, WIDTH=width, W_PAD=triton_env.pow2(width - 1), VARLEN=cu_seqlens is not None,
-            BLOCK_T=min(16, triton_env.pow2(t)), BLOCK_C=block_c, num_warps=num_warps)
+            BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, num_stages=1)
     return out
 
 

@@ -78,8 +78,8 @@ def nan_allocations():
         torch.empty, torch.empty_like = empty, empty_like
 
 
-SEVERAL_PROGRAMS = {  # each with a ragged last block of channels, tokens or rows
-    "causal_conv1d": (dict(seq_lens=[19, 1, 2, 40], channels=300), dict(block_c=64)),
+SEVERAL_PROGRAMS = {  # each with a ragged last block of channels, tokens (64 a block) or rows
+    "causal_conv1d": (dict(seq_lens=[19, 1, 2, 150], channels=40), dict(block_c=16)),
     "gdn_gating": (dict(tokens=37, num_heads=20), dict(block_t=8)),
     "rms_norm_gated": (dict(tokens=9, num_heads=5, head_size=48), dict(block_r=8)),
 }
