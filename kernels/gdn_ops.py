@@ -7,7 +7,7 @@ SiLU of the causal depthwise convolution of each sequence's inputs, continuing f
 ``[B, T, C]`` (any strides, channels contiguous) holds B sequences of T tokens, or with
 ``cu_seqlens`` (int ``[N + 1]``, B = 1) N sequences packed along T; weight ``[C, W]`` (taps oldest
 first); conv_state ``[slots, C, W - 1]`` is a pool of states: sequence n starts from the W - 1 inputs
-before it in ``conv_state[state_slots[n]]`` (oldest first) and leaves its own last W - 1 inputs there,
+before it in ``conv_state[state_slots[n]]`` (oldest first; the slots distinct) and leaves its own last W - 1 inputs there,
 in place; no other slot is touched. ``out[t, c] = silu(sum_j weight[c, j] * input[t - W + 1 + j, c])``,
 ``[B, T, C]`` in x's dtype.
 
