@@ -96,7 +96,7 @@ class GatedDeltaNet(nn.Module):
             parts.append(self.kernels.gdn_decode(
                 q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None],
                 initial_state=self.ssm_state, state_slots=st.decode_slots, use_qk_l2norm_in_kernel=True)[0][:, 0])
-        if st.prefill_spans:  # [1, packed tokens]
+        if st.prefill_slots is not None:  # [1, packed tokens]
             parts.append(self.kernels.gdn_prefill(
                 q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:],
                 initial_state=self.ssm_state, state_slots=st.prefill_slots, cu_seqlens=st.prefill_cu_seqlens,
@@ -111,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         parts, nd, conv = [], st.num_decode, self.kernels.gdn_conv
         if nd:
             parts.append(conv(mixed[:nd, None], self.conv1d, self.conv_state, st.decode_slots)[:, 0])
-        if st.prefill_spans:
+        if st.prefill_slots is not None:
             parts.append(conv(mixed[None, nd:], self.conv1d, self.conv_state, st.prefill_slots,
                               st.prefill_cu_seqlens)[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -69,7 +69,7 @@ def test_fill_gives_each_row_its_state_slot_and_padding_the_scratch_one():
     assert inp.meta[STATE_SLOTS, :4].tolist() == [4, 0, 5, 6]
     state = inp.metadata(4).state
     assert state.num_decode == 4 and state.decode_slots.tolist() == [4, 0, 5, 6]
-    assert state.fresh_slots is None and state.prefill_spans == [] and state.prefill_slots is None
+    assert state.fresh_slots is None and state.prefill_slots is None and state.prefill_cu_seqlens is None
     assert state.decode_slots.data_ptr() == inp.meta[STATE_SLOTS].data_ptr()  # a view of the static buffer
     inp.fill([b], rows=2)
     assert inp.meta[STATE_SLOTS, :2].tolist() == [0, 6]  # row 1, a's before, is padding again

@@ -129,10 +129,9 @@ def test_batch_rows_read_and_write_their_sequences_slots():
     st = meta.state
     assert st.num_decode == 2 and st.decode_slots.tolist() == [2, 4]  # short decodes, then long ones
     assert st.prefill_slots.tolist() == [6, 1] and st.prefill_cu_seqlens.tolist() == [0, 10, 19]
-    assert st.prefill_spans == [(2, 12, 6), (12, 21, 1)]
     assert sorted(st.fresh_slots.tolist()) == [1, 2]
     decode_only = runner.prepare([long_])[2].state
-    assert decode_only.fresh_slots is None and decode_only.prefill_spans == []
+    assert decode_only.fresh_slots is None and decode_only.prefill_slots is None
 
 
 def test_abort_gives_the_slot_back():
