@@ -14,8 +14,8 @@ import yaml
 import kernels
 from engine.model_config import ModelConfig, ModelConfigError, resolve_model
 
-# serve-config key -> kernel op it selects
-KERNEL_KEYS = {
+# serve-config key -> kernel op it selects, or the ops one variant name selects together
+KERNEL_KEYS: dict[str, str | tuple[str, ...]] = {
     "attention-decode": "paged_decode",
     "attention-decode-long": "paged_decode",
     "attention-prefill": "prefix_prefill",
@@ -24,7 +24,20 @@ KERNEL_KEYS = {
     "qk-norm-rope": "qk_norm_rope",
     "gdn-prefill": "gated_delta_rule",
     "gdn-decode": "gated_delta_rule",
+    "gdn-fused": ("causal_conv1d", "gdn_gating", "rms_norm_gated"),  # the Gated DeltaNet layer's small ops
 }
+
+
+def key_ops(key: str) -> tuple[str, ...]:
+    """The kernel ops a serve-config kernel key selects."""
+    ops = KERNEL_KEYS[key]
+    return (ops,) if isinstance(ops, str) else ops
+
+
+def key_variants(key: str) -> list[str]:
+    """The variant names a kernel key takes: those every one of its ops has."""
+    ops = key_ops(key)
+    return [v for v in kernels.variants(ops[0]) if all(v in kernels.variants(op) for op in ops[1:])]
 
 
 class ConfigError(ValueError):
@@ -91,6 +104,7 @@ class EngineConfig:
     moe_dispatch: VariantChain = _key(VariantChain, "sorted")
     gdn_prefill: VariantChain = _key(VariantChain, "chunk")  # Gated DeltaNet layers (hybrid models only)
     gdn_decode: VariantChain = _key(VariantChain, "recurrent")
+    gdn_fused: VariantChain = _key(VariantChain, "torch")  # their convolution, gates and gated norm
     rms_norm: VariantChain = _key(VariantChain, "torch")  # residual add + RMSNorm
     qk_norm_rope: VariantChain = _key(VariantChain, "torch")  # per-head q/k RMSNorm + rotary embedding
     cuda_graphs: bool = _key(bool, True)  # decode steps replayed from CUDA graphs; ignored on the CPU
@@ -254,11 +268,12 @@ def _problem(rules: dict, value: Any) -> str | None:
 
 
 def _check(cfg: EngineConfig) -> None:
-    for key, op in KERNEL_KEYS.items():
-        known = kernels.variants(op)
+    for key in KERNEL_KEYS:
+        known, ops = key_variants(key), key_ops(key)
         for name in cfg.chain(key):
             if name not in known:
-                raise cfg.error(key, f"unknown {op} variant {name!r}; known: {', '.join(known)}")
+                what = ops[0] if len(ops) == 1 else "/".join(ops)
+                raise cfg.error(key, f"unknown {what} variant {name!r}; known: {', '.join(known)}")
     if cfg.max_model_len > cfg.hf.max_position_embeddings:
         raise cfg.error("max-model-len", f"{cfg.max_model_len} exceeds the model's "
                         f"max_position_embeddings ({cfg.hf.max_position_embeddings})")

@@ -1,7 +1,7 @@
 """One command for the engine's speed work on one GPU: correctness first, then the figures.
 
     python -m engine.gpu_report [--model qwen3.6-35b-a3b-dense] [--layers 40] [--full-workload]
-                                [--sections checks,graphs,decode,moe,engine]
+                                [--sections checks,graphs,decode,moe,gdn,engine]
     python -m engine.gpu_report --sections moe-tune     # the per-size MoE launch search (~5 min)
 
 ``--model``: ``qwen3.6-35b-a3b`` (the default: the hybrid model, 30 Gated DeltaNet and 10 attention
@@ -21,7 +21,13 @@ as it is done (a run cut short keeps what it finished):
    the default and the best also replayed from a CUDA graph, as the engine runs a decode step.
 4. ``moe``: MoE triton against the weight-streaming floor and ``torch._grouped_mm``, 1 to 16,384
    tokens, default and best of a few launch configurations.
-5. ``engine``: ``--model`` (``--layers`` of its layers): kernels launched per decode step and the
+5. ``gdn`` (a hybrid ``--model``): the Gated DeltaNet layer's small ops (``gdn-fused``: convolution
+   update, gates, gated RMSNorm), ``triton`` against ``torch``, eagerly and replayed from a CUDA
+   graph, in decode steps of 1 to 256 sequences and an 8,192-token prefill, each against its floor
+   (bytes at copy bandwidth); then one Gated DeltaNet layer's decode step at batch 128 with
+   ``gdn-fused`` torch and triton (the other keys on their fast variants): the kernels it launches,
+   layer and token mixer (torch.profiler), and its GPU time, eager and replayed.
+6. ``engine``: ``--model`` (``--layers`` of its layers): kernels launched per decode step and the
    GPU-busy share of a step at batch 128 (torch.profiler), graphs off and on; then output tok/s on
    200 x (1,000 in, 200 out), graphs on and off (``--full-workload``: 200 x (1,000 in, 2,000 out),
    graphs on only; about 4-5 minutes alone).
@@ -76,10 +82,11 @@ def _ms(fn, graph: bool = False) -> float | None:
 
 # ---------------------------------------------------------------- 1. kernel checks
 MODELS = ("qwen3.6-35b-a3b", "qwen3.6-35b-a3b-dense")
+GDN_FUSED_OPS = ("causal_conv1d", "gdn_gating", "rms_norm_gated")  # the gdn-fused key's
 CHECKED = [("paged_decode", "v2_triton"), ("moe", "triton"), ("rms_norm", "triton"), ("qk_norm_rope", "triton"),
            ("rms_norm", "torch"), ("qk_norm_rope", "torch"), ("moe", "grouped_mm")]
 CHECKED_HYBRID = [("gated_delta_rule", "triton_recurrent"), ("gated_delta_rule", "triton_chunk"),
-                  ("gated_delta_rule", "recurrent")]
+                  ("gated_delta_rule", "recurrent")] + [(op, v) for op in GDN_FUSED_OPS for v in ("triton", "torch")]
 
 
 def _hybrid(model: str) -> bool:
@@ -103,7 +110,7 @@ def section_checks(args) -> None:
 # ---------------------------------------------------------------- 2. greedy tokens with and without graphs
 FAST = {"attention-decode": ["v2_triton"], "attention-decode-long": ["v2_triton"], "attention-prefill": ["triton"],
         "moe-dispatch": ["triton"], "rms-norm": ["triton"], "qk-norm-rope": ["triton"],
-        "gdn-prefill": ["triton_chunk"], "gdn-decode": ["triton_recurrent"]}
+        "gdn-prefill": ["triton_chunk"], "gdn-decode": ["triton_recurrent"], "gdn-fused": ["triton"]}
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -319,7 +326,92 @@ def section_moe_tune(args, copy_gbps: float, mm_tflops: float) -> None:
         say(f"  wrote {path} (copy it to kernels/moe_configs/ to use it)")
 
 
-# ---------------------------------------------------------------- 5. the engine at Qwen3.6-35B-A3B dimensions
+# ---------------------------------------------------------------- 5. Gated DeltaNet layers
+def _time(fn, device: str, graph: bool = False) -> float | None:
+    """Median ms: on CUDA eagerly or replayed from a graph, on the CPU (a smoke run) eagerly only."""
+    if device == "cuda":
+        return _ms(fn, graph)
+    return None if graph else bench.median_ms(fn, device, warmup_ms=0, rep_ms=0)
+
+
+def _gdn_op_rows(args, copy_gbps: float) -> list[dict]:
+    """Each gdn-fused op, triton against torch, at decode sizes (graph replay too) and one prefill."""
+    z, device = args.sizes, args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    small = {} if device == "cuda" else {"causal_conv1d": dict(channels=64), "gdn_gating": dict(num_heads=4),
+                                         "rms_norm_gated": dict(num_heads=4, head_size=32)}
+    rows = []
+    for op in GDN_FUSED_OPS:
+        for rows_, prefill in [(b, False) for b in z.gdn_batches] + [(z.gdn_prefill, True)]:
+            size = dict(batch=1, new_tokens=rows_) if op == "causal_conv1d" and prefill else \
+                dict(batch=rows_) if op == "causal_conv1d" else dict(tokens=rows_)
+            a, nbytes, _ = bench.WORKLOADS[op](dtype=dtype, device=device, **size, **small.get(op, {}))
+            row = dict(op=op, rows=rows_, prefill=prefill, floor_ms=nbytes / copy_gbps / 1e6)
+            for variant in ("torch", "triton"):
+                fn = kernels.get(op, variant)
+                row[f"{variant}_ms"] = _time(lambda: fn(**a), device)
+                if not prefill:
+                    row[f"{variant}_graph_ms"] = _time(lambda: fn(**a), device, graph=True)
+            rows.append(row)
+            key = "graph_ms" if row.get("triton_graph_ms") and row.get("torch_graph_ms") else "ms"
+            tri, tor = row[f"triton_{key}"], row[f"torch_{key}"]
+            summary(f"{op} {'prefill' if prefill else 'decode'} {rows_}{' (graph replay)' if key != 'ms' else ''}",
+                    f"triton {tri:.4f} ms ({row['floor_ms'] / tri:.0%} of floor) vs torch {tor:.4f} ms "
+                    f"({tor / tri:.1f}x)")
+            del a
+    return rows
+
+
+def _gdn_layer_rows(args) -> list[dict]:
+    """One Gated DeltaNet layer's decode step with gdn-fused torch, then triton: kernels and GPU time."""
+    from engine.config import load_config
+    from engine.layer_kernels import decode_kernels, decode_step
+    from engine.model_runner import ModelRunner
+    z, device = args.sizes, args.device
+    base = {"model": args.model, "num-layers": 4, "device": device, "dtype": "bfloat16", "max-model-len": 4096,
+            "max-num-seqs": max(z.decode_batch, 8), "kv-cache-memory": 1 << 30, "cuda-graphs": False,
+            "enable-prefix-caching": False, **FAST}
+    if device == "cpu":
+        base.update(model=SMOKE_MODELS[args.model], dtype="float16")  # 16-bit: casts launch as on a GPU
+    rows = []
+    for fused in ("torch", "triton"):
+        runner = ModelRunner(load_config({**base, "gdn-fused": [fused]}))
+        launched = decode_kernels(runner, 0, z.decode_batch)
+        step = decode_step(runner, 0, z.decode_batch)
+        row = dict(gdn_fused=fused, batch=z.decode_batch, kernels=len(launched["layer"]),
+                   mixer_kernels=len(launched["mixer"]), kernel_names=launched["layer"])
+        timing = ""
+        if device == "cuda":  # the smoke run counts only
+            row.update({f"{part}{kind}_ms": _ms(step[part], graph) for part in ("layer", "mixer")
+                        for kind, graph in (("", False), ("_graph", True))})
+            timing = f"; {row['layer_ms']:.3f} ms eager (token mixer {row['mixer_ms']:.3f} ms)"
+            if row["layer_graph_ms"] is not None:
+                timing += f", {row['layer_graph_ms']:.3f} ms replayed (token mixer {row['mixer_graph_ms']:.3f} ms)"
+        rows.append(row)
+        summary(f"Gated DeltaNet layer, decode step at batch {z.decode_batch}, gdn-fused {fused}",
+                f"{row['kernels']} kernels (token mixer {row['mixer_kernels']}){timing}",
+                "<= 15 kernels/layer" if fused == "triton" else "")
+        del runner, step
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def section_gdn(args, copy_gbps: float) -> None:
+    from engine.kernel_choice import triton_runs
+    from engine.model_config import PRESETS
+    if not PRESETS[args.model].is_hybrid:
+        summary("section gdn", f"skipped: {args.model} has no Gated DeltaNet layer")
+        return
+    if not triton_runs(torch.device(args.device)):
+        summary("section gdn", f"skipped: Triton does not run on {args.device} (TRITON_INTERPRET=1 runs it "
+                               "interpreted)")
+        return
+    RESULTS["gdn"] = dict(copy_gbps=copy_gbps, ops=_gdn_op_rows(args, copy_gbps), layer=_gdn_layer_rows(args))
+
+
+# ---------------------------------------------------------------- 6. the engine at Qwen3.6-35B-A3B dimensions
 def _kernel_intervals(prof) -> list[tuple[float, float]]:
     out = []
     for e in prof.events():
@@ -472,13 +564,15 @@ class Sizes:
     input_len: int = 1000
     output_len: int = 200
     full_output_len: int = 2000
+    gdn_batches: tuple[int, ...] = (1, 32, 128, 256)  # decode steps of the gdn section's op timings
+    gdn_prefill: int = 8192
 
 
 SMOKE = Sizes(graph_prompts=3, graph_tokens=4, decode_batch=3, prompt_len=20, num_prompts=4, input_len=16,
-              output_len=4, full_output_len=6)
+              output_len=4, full_output_len=6, gdn_batches=(2,), gdn_prefill=8)
 SMOKE_MODELS = {"qwen3.6-35b-a3b": "tiny-hybrid", "qwen3.6-35b-a3b-dense": "tiny"}
-SECTIONS = ("checks", "graphs", "decode", "moe", "moe-tune", "engine")
-DEFAULT_SECTIONS = ("checks", "graphs", "decode", "moe", "engine")
+SECTIONS = ("checks", "graphs", "decode", "moe", "moe-tune", "gdn", "engine")
+DEFAULT_SECTIONS = ("checks", "graphs", "decode", "moe", "gdn", "engine")
 
 
 def main(argv=None) -> int:
@@ -495,12 +589,13 @@ def main(argv=None) -> int:
     p.add_argument("--full-workload", action="store_true",
                    help="engine section: 200 x (1,000 in, 2,000 out) with graphs, instead of 200 out on and off")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu: a smoke run of the graphs and engine sections on the tiny presets, a few tokens each")
+                   help="cpu: a smoke run of the graphs, gdn and engine sections on the tiny presets, a few tokens "
+                        "each (gdn: with TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     sections = args.sections.split(",")
     if args.device == "cpu":
         args.sizes = SMOKE
-        sections = [name for name in sections if name in ("graphs", "engine")]
+        sections = [name for name in sections if name in ("graphs", "gdn", "engine")]
     else:
         args.sizes = Sizes()
         if not torch.cuda.is_available():
@@ -510,7 +605,10 @@ def main(argv=None) -> int:
         say(f"## {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     from kernels.h200_report import ceilings
     copy_gbps = mm_tflops = None
-    if {"decode", "moe", "moe-tune"} & set(sections):
+    if args.device == "cpu" and "gdn" in sections:  # a smoke run: the floors at the host's copy bandwidth
+        from kernels.gdn_report import copy_gbps as host_copy_gbps
+        copy_gbps = host_copy_gbps("cpu")
+    elif {"decode", "moe", "moe-tune", "gdn"} & set(sections):
         copy_gbps, mm_tflops = ceilings()
         say(f"ceilings: copy {copy_gbps:.0f} GB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
         RESULTS["ceilings"] = dict(copy_gbps=copy_gbps, matmul_tflops=mm_tflops)
@@ -530,6 +628,8 @@ def main(argv=None) -> int:
                 section_moe(args, copy_gbps, mm_tflops)
             elif name == "moe-tune":
                 section_moe_tune(args, copy_gbps, mm_tflops)
+            elif name == "gdn":
+                section_gdn(args, copy_gbps)
             else:
                 section_engine(args)
         except Exception as exc:  # report and go on: the other sections still measure

@@ -9,7 +9,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
 import kernels
-from engine.config import KERNEL_KEYS, EngineConfig
+from engine.config import EngineConfig, key_ops
 from engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from engine.host_staging import HostStaging
 from engine.kernel_choice import select_kernels
@@ -180,12 +180,13 @@ class ModelRunner:
             return f"{type(self.model).__name__} declares no static decode path (static_decode = True)"
         keys = ["attention-decode", "moe-dispatch", "rms-norm", "qk-norm-rope"]
         if self.linear_layers:
-            keys.append("gdn-decode")
+            keys += ["gdn-decode", "gdn-fused"]
         for key in keys:
-            op, variant = KERNEL_KEYS[key], self.kernels.choice[key]
-            if not kernels.graph_safe(op, variant):
-                safe = ", ".join(kernels.graph_safe_variants(op))
-                return f"{key} variant {variant} waits on the device (graph-safe: {safe})"
+            variant = self.kernels.choice[key]
+            for op in key_ops(key):
+                if not kernels.graph_safe(op, variant):
+                    safe = ", ".join(kernels.graph_safe_variants(op))
+                    return f"{key} variant {variant} waits on the device ({op} graph-safe: {safe})"
         return None
 
     def use_static_decode(self, capture: bool) -> None:

@@ -58,7 +58,6 @@ class StateMetadata:
     decode_slots: torch.Tensor | None  # int64 [num_decode]: device-side, so decode needs no host sync
     prefill_slots: torch.Tensor | None  # int64 [prefill seqs]
     prefill_cu_seqlens: torch.Tensor | None  # int32 [prefill seqs + 1], relative to row num_decode
-    prefill_spans: list[tuple[int, int, int]]  # (first row, end row, slot) of each prefill chunk, on the host
     fresh_slots: torch.Tensor | None  # slots of sequences computing their first token: zeroed first
 
 
@@ -72,14 +71,12 @@ def state_metadata(seqs: list[Sequence], num_new: list[int], num_decode: int,
     slots = [s.state_slot for s in seqs]
     if None in slots:
         raise RuntimeError("a scheduled sequence of a hybrid model holds no state slot")
-    spans, cu, row = [], [0], num_decode
-    for seq, n in zip(seqs[num_decode:], num_new[num_decode:]):
-        spans.append((row, row + n, seq.state_slot))
-        row += n
+    cu = [0]
+    for n in num_new[num_decode:]:
         cu.append(cu[-1] + n)
     return StateMetadata(num_decode=num_decode, decode_slots=device_tensor(slots[:num_decode]),
                          prefill_slots=device_tensor(slots[num_decode:]),
-                         prefill_cu_seqlens=device_tensor(cu, torch.int32) if spans else None, prefill_spans=spans,
+                         prefill_cu_seqlens=device_tensor(cu, torch.int32) if len(cu) > 1 else None,
                          fresh_slots=device_tensor([s.state_slot for s in seqs if s.num_computed_tokens == 0]))
 
 
@@ -87,7 +84,7 @@ def decode_only(decode_slots: torch.Tensor) -> StateMetadata:
     """A steady-state decode step: one token per row, every sequence past its first token (no slot
     to zero, no prefill), slots read from a device tensor, as a captured CUDA graph replays it."""
     return StateMetadata(num_decode=decode_slots.shape[0], decode_slots=decode_slots, prefill_slots=None,
-                         prefill_cu_seqlens=None, prefill_spans=[], fresh_slots=None)
+                         prefill_cu_seqlens=None, fresh_slots=None)
 
 
 def allocate_states(layers, num_slots: int, dtype: torch.dtype, device: torch.device) -> int:

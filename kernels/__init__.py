@@ -9,7 +9,8 @@ import importlib
 import os
 from typing import Callable
 
-OPS = ("paged_decode", "prefix_prefill", "moe", "rms_norm", "qk_norm_rope", "gated_delta_rule")
+OPS = ("paged_decode", "prefix_prefill", "moe", "rms_norm", "qk_norm_rope", "gated_delta_rule", "causal_conv1d",
+       "gdn_gating", "rms_norm_gated")
 
 # op -> variant -> "module:function"; the first entry of each op is its float64 reference.
 _REGISTRY: dict[str, dict[str, str]] = {
@@ -50,19 +51,38 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "triton_recurrent": "kernels.gdn_triton:gated_delta_rule_triton_recurrent",
         "triton_chunk": "kernels.gdn_triton:gated_delta_rule_triton_chunk",
     },
+    # the Gated DeltaNet layer's ops around the recurrence (the contracts: kernels/gdn_ops.py)
+    "causal_conv1d": {
+        "reference": "kernels.reference:causal_conv1d",
+        "torch": "kernels.gdn_ops_torch:causal_conv1d",
+        "triton": "kernels.gdn_ops_triton:causal_conv1d_triton",
+    },
+    "gdn_gating": {
+        "reference": "kernels.reference:gdn_gating",
+        "torch": "kernels.gdn_ops_torch:gdn_gating",
+        "triton": "kernels.gdn_ops_triton:gdn_gating_triton",
+    },
+    "rms_norm_gated": {
+        "reference": "kernels.reference:rms_norm_gated",
+        "torch": "kernels.gdn_ops_torch:rms_norm_gated",
+        "triton": "kernels.gdn_ops_triton:rms_norm_gated_triton",
+    },
 }
 
 
 # Variants that never wait on the device (no ``.item()``, ``.tolist()``, host-side maximum or
 # data-dependent output size) as a decode step calls them: a CUDA graph can capture them. The gated
-# delta rule's torch variants qualify there only (B sequences of one token, states by slot): with
-# ``cu_seqlens`` they read the sequences' bounds on the host.
+# delta rule's and the convolution's torch variants qualify there only (B sequences of one token,
+# states by slot): with ``cu_seqlens`` they read the sequences' bounds on the host.
 _GRAPH_SAFE: dict[str, tuple[str, ...]] = {
     "paged_decode": ("v2_triton",),
     "moe": ("triton",),
     "rms_norm": ("torch", "triton"),
     "qk_norm_rope": ("torch", "triton"),
     "gated_delta_rule": ("triton_recurrent", "triton_chunk", "recurrent", "chunk"),
+    "causal_conv1d": ("torch", "triton"),
+    "gdn_gating": ("torch", "triton"),
+    "rms_norm_gated": ("torch", "triton"),
 }
 
 

@@ -3,6 +3,8 @@
     python -m kernels.bench --op paged_decode --variant v2_triton --batch 32 --context 4096
     python -m kernels.bench --op gated_delta_rule --variant triton_recurrent --batch 256   # decode step
     python -m kernels.bench --op gated_delta_rule --variant triton_chunk --batch 8 --new-tokens 1024
+    python -m kernels.bench --op causal_conv1d --variant triton --batch 128          # decode step
+    python -m kernels.bench --op rms_norm_gated --variant triton --tokens 128
 
 Reports the median time after warm-up (``triton.testing.do_bench`` on CUDA, which also flushes L2
 between runs), and the GB/s and TFLOP/s achieved against the bytes the op must move (each input
@@ -25,6 +27,7 @@ from kernels import inputs
 ATTENTION = dict(num_heads=16, num_kv_heads=2, head_size=256, block_size=16)
 MOE = dict(hidden=2048, experts=256, intermediate=512, top_k=8)
 GDN = dict(num_heads=32, num_k_heads=16, head_k=128, head_v=128)  # its Gated DeltaNet layers
+GDN_CONV = dict(channels=8192, width=4)  # their convolution: q, k (16 x 128 each) and v (32 x 128)
 
 
 def _size(t) -> int:
@@ -77,8 +80,35 @@ def gdn_workload(batch=256, new_tokens=1, dtype=torch.bfloat16, device="cuda", *
     return args, nbytes, flops
 
 
+def conv_workload(batch=256, new_tokens=1, dtype=torch.bfloat16, device="cuda", **shape):
+    """As the engine calls it: ``new_tokens`` 1 is one decode step of ``batch`` sequences, more a
+    packed prefill; states in a slot pool. Bytes: x read, the output written, each state read and
+    written once, the weights read."""
+    shape = {**GDN_CONV, **shape}
+    args = inputs.causal_conv1d([new_tokens] * batch, packed=new_tokens > 1, dtype=dtype, device=device, **shape)
+    c, w, elt = shape["channels"], shape["width"], args["x"].element_size()
+    nbytes = (2 * batch * new_tokens * c + 2 * batch * c * (w - 1) + c * w) * elt
+    return args, nbytes, 2 * batch * new_tokens * c * w
+
+
+def gating_workload(tokens=256, dtype=torch.bfloat16, device="cuda", num_heads=GDN["num_heads"]):
+    """a and b read, g (float32) and beta written."""
+    args = inputs.gdn_gating(tokens, num_heads, dtype=dtype, device=device)
+    elt = args["a"].element_size()
+    return args, tokens * num_heads * (3 * elt + 4), 8 * tokens * num_heads
+
+
+def norm_gated_workload(tokens=256, dtype=torch.bfloat16, device="cuda", num_heads=GDN["num_heads"],
+                        head_size=GDN["head_v"]):
+    """x and the gate read, the output written."""
+    args = inputs.rms_norm_gated(tokens, num_heads, head_size, dtype=dtype, device=device)
+    n = tokens * num_heads * head_size
+    return args, 3 * n * args["x"].element_size(), 8 * n
+
+
 WORKLOADS = {"paged_decode": decode_workload, "prefix_prefill": prefill_workload, "moe": moe_workload,
-             "gated_delta_rule": gdn_workload}
+             "gated_delta_rule": gdn_workload, "causal_conv1d": conv_workload, "gdn_gating": gating_workload,
+             "rms_norm_gated": norm_gated_workload}
 
 
 def median_ms(fn, device: str, warmup_ms: float = 50, rep_ms: float = 200) -> float:
@@ -114,8 +144,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batch", type=int, help="decode and prefill: sequences")
     p.add_argument("--context", type=int, help="decode: tokens per sequence; prefill: cached tokens")
-    p.add_argument("--new-tokens", type=int, help="prefill: new tokens per sequence (gated_delta_rule: 1 = decode)")
-    p.add_argument("--tokens", type=int, help="moe: tokens")
+    p.add_argument("--new-tokens", type=int,
+                   help="prefill: new tokens per sequence (gated_delta_rule, causal_conv1d: 1 = decode)")
+    p.add_argument("--tokens", type=int, help="moe, gdn_gating, rms_norm_gated: tokens")
     p.add_argument("--small", action="store_true", help="small model dimensions (for CPU smoke runs)")
     p.add_argument("--block-m", type=int)
     p.add_argument("--block-n", type=int)
@@ -129,11 +160,14 @@ def main(argv=None) -> int:
         print(json.dumps(dict(op=a.op, variant=a.variant, error=str(exc))))
         return 2
     names = {"paged_decode": ["batch", "context"], "prefix_prefill": ["batch", "context", "new_tokens"],
-             "moe": ["tokens"], "gated_delta_rule": ["batch", "new_tokens"]}[a.op]
+             "moe": ["tokens"], "gated_delta_rule": ["batch", "new_tokens"], "causal_conv1d": ["batch", "new_tokens"],
+             "gdn_gating": ["tokens"], "rms_norm_gated": ["tokens"]}[a.op]
     shape = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.small:
         shape.update({"moe": dict(hidden=256, experts=16, intermediate=128),
-                      "gated_delta_rule": dict(num_heads=4, num_k_heads=2, head_k=32, head_v=32)}.get(
+                      "gated_delta_rule": dict(num_heads=4, num_k_heads=2, head_k=32, head_v=32),
+                      "causal_conv1d": dict(channels=64), "gdn_gating": dict(num_heads=4),
+                      "rms_norm_gated": dict(num_heads=4, head_size=32)}.get(
                           a.op, dict(num_heads=4, num_kv_heads=2, head_size=64)))
     kw = {k: v for k, v in dict(block_m=a.block_m, block_n=a.block_n, num_warps=a.num_warps).items() if v}
     if kw and a.op != "prefix_prefill":

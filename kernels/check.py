@@ -6,8 +6,10 @@ Every call draws fresh random inputs over a shape list that holds the edges wher
 (partition boundaries, partial blocks, empty contexts, experts with no token, shared experts, GQA 4
 and 8, head sizes 128 and 256, partial rotary; for the gated delta rule: packed sequences across
 chunk edges, states updated in place by slot with the other slots untouched, and a prefill
-continued by decode steps from its carried state). The last stdout line is one JSON object:
-passed, worst error, where it occurred.
+continued by decode steps from its carried state; for the Gated DeltaNet layer's convolution, a
+decode step and packed prefills with sequences shorter than its state, by slot likewise; its gates
+past both tails of the softplus; its gated norm on a strided gate). The last stdout line is one
+JSON object: passed, worst error, where it occurred.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Callable
 import torch
 
 import kernels
-from kernels import inputs
+from kernels import gdn_ops, inputs
 
 # ‖out − ref‖ / ‖ref‖ allowed per input dtype (float32: full-precision dots, no tf32)
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -67,6 +69,24 @@ FULL = {
         dict(tokens=17, num_heads=8, num_kv_heads=2, head_size=128, rotary_dim=128, gated=False),
         dict(tokens=9, num_heads=4, num_kv_heads=4, head_size=96, rotary_dim=24),
     ],
+    "causal_conv1d": [  # Qwen3.6's 8,192 channels: a decode step, then packed prefills (1 and 2 tokens: shorter
+        dict(seq_lens=[1] * 6, channels=8192),  # than the state, so the new state keeps some of the old)
+        dict(seq_lens=[100, 1, 2, 3, 64, 17], channels=8192),
+        dict(seq_lens=[33, 33], channels=1000),
+        dict(seq_lens=[5, 0, 40], channels=300, width=3),
+    ],
+    "gdn_gating": [
+        dict(tokens=1, num_heads=32),
+        dict(tokens=256, num_heads=32),
+        dict(tokens=1000, num_heads=32),
+        dict(tokens=9, num_heads=12),
+    ],
+    "rms_norm_gated": [
+        dict(tokens=1, num_heads=32, head_size=128),
+        dict(tokens=256, num_heads=32, head_size=128),
+        dict(tokens=300, num_heads=32, head_size=128),
+        dict(tokens=7, num_heads=3, head_size=100),
+    ],
 }
 # Qwen3.6-35B-A3B's expert shapes are too large for a float64 CPU reference; checked on CUDA only.
 CUDA_ONLY = {"moe": [dict(tokens=64, hidden=2048, experts=256, intermediate=512, top_k=8, unused_experts=32),
@@ -99,6 +119,19 @@ SMALL = {
     "qk_norm_rope": [
         dict(tokens=5, num_heads=4, num_kv_heads=2, head_size=32, rotary_dim=8),
         dict(tokens=3, num_heads=2, num_kv_heads=1, head_size=16, rotary_dim=16, gated=False),
+    ],
+    "causal_conv1d": [
+        dict(seq_lens=[1] * 3, channels=48),
+        dict(seq_lens=[20, 1, 2, 0, 5], channels=40),
+        dict(seq_lens=[6, 6], channels=24, width=3),
+    ],
+    "gdn_gating": [
+        dict(tokens=3, num_heads=4),
+        dict(tokens=20, num_heads=6),
+    ],
+    "rms_norm_gated": [
+        dict(tokens=3, num_heads=4, head_size=16),
+        dict(tokens=5, num_heads=3, head_size=24),
     ],
 }
 
@@ -147,11 +180,20 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               b.contiguous().view(-1).view(torch.uint8))
 
 
-def _compare(out, ref_out, dtype) -> float:
+def result_dtypes(op: str | None, dtype) -> tuple:
+    """The dtypes the contract gives an op's results for inputs of ``dtype``, by position (results
+    past the tuple are not checked): the first in the inputs' dtype, but ``gdn_gating``'s decays
+    are float32 whatever the activations' dtype."""
+    if op == "gdn_gating":
+        return gdn_ops.decay_dtype(dtype), dtype
+    return (dtype,)
+
+
+def _compare(out, ref_out, dtypes: tuple) -> float:
     """Worst relative error over the results; raises when one is missing, misshapen or mistyped."""
     outs, refs = outputs(out), outputs(ref_out)
-    if len(outs) != len(refs) or (outs[0] is not None and outs[0].dtype != dtype):
-        raise AssertionError(f"results {_describe(out)} do not match {_describe(ref_out)} (first in {dtype})")
+    if len(outs) != len(refs) or any(o is not None and o.dtype != d for o, d in zip(outs, dtypes)):
+        raise AssertionError(f"results {_describe(out)} do not match {_describe(ref_out)} (in {_names(dtypes)})")
     worst = 0.0
     for o, r in zip(outs, refs):
         if (o is None) != (r is None) or (o is not None and o.shape != r.shape):
@@ -160,6 +202,10 @@ def _compare(out, ref_out, dtype) -> float:
             err = rel_error(o, r)
             worst = err if not err <= worst else worst  # NaN sticks
     return worst
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
 def _describe(out) -> str:
@@ -174,13 +220,24 @@ def _tensors(args: dict) -> dict:
     return {k: v for k, v in args.items() if torch.is_tensor(v)}
 
 
-def check_one(fn: Callable, reference: Callable, args: dict) -> float:
-    """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed.
+def _dtype(args: dict):
+    """The inputs' dtype: the first floating-point tensor's."""
+    return next(v.dtype for v in args.values() if torch.is_tensor(v) and v.is_floating_point())
 
-    A gated delta rule call with ``state_slots`` updates its state pool in place: there the pool's
-    slots are compared with the reference's, and every other slot must keep its bytes."""
+
+# the argument that holds the pool of states an op with ``state_slots`` updates in place
+POOLS = ("initial_state", "conv_state")
+
+
+def check_one(fn: Callable, reference: Callable, args: dict, op: str | None = None) -> float:
+    """Relative error of ``fn`` on ``args``; NaN when an output is non-finite. Raises if an input changed
+    or a result has another dtype than the contract of ``op`` gives it (``result_dtypes``).
+
+    A call with ``state_slots`` (the gated delta rule, the convolution) updates its state pool in
+    place: there the pool's slots are compared with the reference's, and every other slot must keep
+    its bytes."""
     if args.get("state_slots") is not None:
-        return check_slots(fn, reference, args)
+        return check_slots(fn, reference, args, op)
     before = {k: v.clone() for k, v in _tensors(args).items()}
     ref_out = reference(**as_float64(args))
     _poison(outputs(ref_out)[0].device.type, _numel(ref_out))
@@ -188,30 +245,31 @@ def check_one(fn: Callable, reference: Callable, args: dict) -> float:
     for k, v in before.items():
         if not _same_bytes(v, args[k]):
             raise AssertionError(f"input {k!r} was modified")
-    err = _compare(out, ref_out, next(iter(before.values())).dtype)
+    err = _compare(out, ref_out, result_dtypes(op, _dtype(args)))
     inputs_at = {v.data_ptr() for v in before.values()} | {v.data_ptr() for v in _tensors(args).values()}
     if any(o is not None and o.data_ptr() in inputs_at for o in outputs(out)):
         raise AssertionError("output aliases an input")
     return err
 
 
-def check_slots(fn: Callable, reference: Callable, args: dict) -> float:
-    pool, slots = args["initial_state"], args["state_slots"]
+def check_slots(fn: Callable, reference: Callable, args: dict, op: str | None = None) -> float:
+    name = next(k for k in POOLS if args.get(k) is not None)
+    pool, slots = args[name], args["state_slots"]
     before = {k: v.clone() for k, v in _tensors(args).items()}
     ref_args = as_float64(args)
-    ref_args["initial_state"] = pool.double().clone()
+    ref_args[name] = pool.double().clone()
     ref_out = reference(**ref_args)
     _poison(pool.device.type, _numel(ref_out))
     out = fn(**args)
     for k, v in before.items():
-        if k != "initial_state" and not _same_bytes(v, args[k]):
+        if k != name and not _same_bytes(v, args[k]):
             raise AssertionError(f"input {k!r} was modified")
     rest = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
     rest[slots.long()] = False
-    if not _same_bytes(pool[rest], before["initial_state"][rest]):
+    if not _same_bytes(pool[rest], before[name][rest]):
         raise AssertionError("states outside state_slots were modified")
-    err = _compare(out, ref_out, args["q"].dtype)
-    state_err = rel_error(pool[slots.long()], ref_args["initial_state"][slots.long()])
+    err = _compare(out, ref_out, result_dtypes(op, _dtype(args)))
+    state_err = rel_error(pool[slots.long()], ref_args[name][slots.long()])
     return err if not err <= state_err else state_err
 
 
@@ -231,7 +289,7 @@ def check_split(fn: Callable, reference: Callable, args: dict, split: int) -> fl
         step = {**args, **{k: args[k][:, t:t + 1] for k in seq}, "initial_state": pool, "state_slots": slots,
                 "output_final_state": False}
         outs.append(fn(**step)[0])
-    err = _compare(torch.cat(outs, 1), ref_o, args["q"].dtype)
+    err = _compare(torch.cat(outs, 1), ref_o, (args["q"].dtype,))
     state_err = rel_error(pool[slots], ref_s)
     return err if not err <= state_err else state_err
 
@@ -240,7 +298,7 @@ def check_shape(op: str, fn: Callable, reference: Callable, shape: dict, dtype, 
     shape = dict(shape)
     split = shape.pop("split", None)
     args = make_inputs(op, shape, dtype, device)
-    return check_one(fn, reference, args) if split is None else check_split(fn, reference, args, split)
+    return check_one(fn, reference, args, op) if split is None else check_split(fn, reference, args, split)
 
 
 def run(op: str, variant: str, device: str = "cpu", dtype=torch.float32, small: bool = False, seed=None) -> dict:

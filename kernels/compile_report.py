@@ -159,6 +159,14 @@ def cases(names: list[str], quick: bool = False):
                     args = inputs.gated_delta_rule(lens, packed=variant == "triton_chunk", slots=True, dtype=dtype,
                                                    **dims)
                     out.append((f"{variant} {_dt(dtype)} head {head}", dtype, lambda a=args, f=fn: f(**a)))
+        for dtype in (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16, torch.float32):
+            for label, args in [("causal_conv1d decode", inputs.causal_conv1d([1] * 4, dtype=dtype, **bench.GDN_CONV)),
+                                ("causal_conv1d prefill", inputs.causal_conv1d([70, 3], dtype=dtype, **bench.GDN_CONV)),
+                                ("gdn_gating", inputs.gdn_gating(16, bench.GDN["num_heads"], dtype=dtype)),
+                                ("rms_norm_gated", inputs.rms_norm_gated(16, bench.GDN["num_heads"], bench.GDN["head_v"],
+                                                                         dtype=dtype))]:
+                fn = kernels.get(label.split()[0], "triton")
+                out.append((f"{label} {_dt(dtype)}", dtype, lambda a=args, f=fn: f(**a)))
     return out
 
 

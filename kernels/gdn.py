@@ -70,22 +70,27 @@ def state_dtype(q: torch.Tensor, initial_state: torch.Tensor | None) -> torch.dt
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def packed(q, k, v, g, beta, cu_seqlens):
-    """(q, k, v, g, beta) as [total_tokens, heads, ...] and the sequences' boundaries [N + 1] (int64,
-    on the inputs' device): B equal-length sequences become B packed ones."""
+def packed(q, k, v, g, beta):
+    """(q, k, v, g, beta) as [total_tokens, heads, ...]: B equal-length sequences become B packed ones."""
     b, t = q.shape[:2]
-    if cu_seqlens is None:
-        cu = torch.arange(b + 1, device=q.device, dtype=torch.int64) * t
-    else:
-        cu = cu_seqlens.to(torch.int64)
     return (q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]),
-            g.reshape(b * t, -1), beta.reshape(b * t, -1), cu)
+            g.reshape(b * t, -1), beta.reshape(b * t, -1))
 
 
-def spans(cu: torch.Tensor) -> list[tuple[int, int]]:
-    """Each sequence's [start, end) token range, on the host (one device sync)."""
-    bounds = cu.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+def bounds(b: int, t: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """The packed sequences' boundaries [N + 1], int64 on ``device``: ``cu_seqlens``, or B of T tokens."""
+    if cu_seqlens is None:
+        return torch.arange(b + 1, device=device, dtype=torch.int64) * t
+    return cu_seqlens.to(torch.int64)
+
+
+def spans(b: int, t: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
+    """Each sequence's [start, end) token range once packed, on the host: from the shape for B
+    sequences of T tokens, else read from ``cu_seqlens`` (one device sync)."""
+    if cu_seqlens is None:
+        return [(i * t, (i + 1) * t) for i in range(b)]
+    cu = cu_seqlens.tolist()
+    return list(zip(cu[:-1], cu[1:]))
 
 
 def state_buffer(q, v, initial_state, state_slots, n: int):

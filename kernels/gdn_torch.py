@@ -87,7 +87,7 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
         buf.index_copy_(0, slots, s.to(buf.dtype))
     else:
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        for i, (a, b) in enumerate(gdn.spans(cu_seqlens)):
+        for i, (a, b) in enumerate(gdn.spans(1, q.shape[1], cu_seqlens)):
             one = slice(a, b)
             o, s = core(qn[:, one], kn[:, one], v[:, one], g[:, one], beta[:, one],
                         buf[slots[i:i + 1]].float(), scale)

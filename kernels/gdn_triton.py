@@ -32,18 +32,22 @@ def _l2norm_rows(x, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _recurrent_kernel(Q, K, V, G, BETA, O, STATE, SLOTS, CU, scale, sq, sk, sv, sg, so,
+def _recurrent_kernel(Q, K, V, G, BETA, O, STATE, SLOTS, CU, T, scale, sq, sk, sv, sg, so,
                       H: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BV: tl.constexpr, L2NORM: tl.constexpr):
+                      BV: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr):
     vb, n, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = tl.load(CU + n), tl.load(CU + n + 1)
+    if VARLEN:  # packed: the bounds from cu_seqlens
+        bos, eos = tl.load(CU + n).to(tl.int64), tl.load(CU + n + 1).to(tl.int64)
+    else:  # sequence n is row n of [B, T]
+        bos = n.to(tl.int64) * T
+        eos = bos + T
     slot = tl.load(SLOTS + n).to(tl.int64)
     kh = h // GROUP
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
     state = STATE + slot * (H * DK * DV) + h * (DK * DV) + dk[:, None] * DV + dv[None, :]
     s = tl.load(state).to(tl.float32)
-    for t64 in range(bos, eos):  # CU is int64: so are the offsets below
+    for t64 in range(bos, eos):  # int64 bounds: so are the offsets below
         q = tl.load(Q + t64 * sq + kh * DK + dk).to(tl.float32)
         k = tl.load(K + t64 * sk + kh * DK + dk).to(tl.float32)
         if L2NORM:
@@ -174,25 +178,27 @@ def _setup(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_slots, bloc
     buf, slots, returned = gdn.state_buffer(q, v, initial_state, state_slots, n)
     if not buf.is_contiguous():
         raise ValueError("initial_state must be contiguous (states are updated in place)")
-    qf, kf, vf, gf, bf, cu = gdn.packed(q, k, v, g, beta, cu_seqlens)
+    qf, kf, vf, gf, bf = gdn.packed(q, k, v, g, beta)
     qf, kf, vf = _rows(qf), _rows(kf), _rows(vf)
     gf, bf = gf.contiguous(), bf.contiguous()
     out = torch.empty(vf.shape, dtype=q.dtype, device=q.device)
     scale = dk ** -0.5 if scale is None else scale
-    return n, qf, kf, vf, gf, bf, cu, buf, slots, returned, out, scale, block_v
+    return n, qf, kf, vf, gf, bf, buf, slots, returned, out, scale, block_v
 
 
 def gated_delta_rule_triton_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                       use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_slots=None,
                                       block_v=32, num_warps=4):
-    n, qf, kf, vf, gf, bf, cu, buf, slots, returned, out, scale, block_v = _setup(
+    n, qf, kf, vf, gf, bf, buf, slots, returned, out, scale, block_v = _setup(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, state_slots, block_v)
     h, dk, dv = vf.shape[1], qf.shape[2], vf.shape[2]
     if n and vf.shape[0]:
+        # B sequences of T tokens find their bounds from T: no tensor of bounds to build (a decode step)
+        cu = slots if cu_seqlens is None else cu_seqlens
         _recurrent_kernel[(dv // block_v, n, h)](
-            qf, kf, vf, gf, bf, out, buf, slots, cu, scale, qf.stride(0), kf.stride(0), vf.stride(0), gf.stride(0),
-            out.stride(0), H=h, GROUP=h // qf.shape[1], DK=dk, DV=dv, BV=block_v, L2NORM=use_qk_l2norm_in_kernel,
-            num_warps=num_warps)
+            qf, kf, vf, gf, bf, out, buf, slots, cu, q.shape[1], scale, qf.stride(0), kf.stride(0), vf.stride(0),
+            gf.stride(0), out.stride(0), H=h, GROUP=h // qf.shape[1], DK=dk, DV=dv, BV=block_v,
+            L2NORM=use_qk_l2norm_in_kernel, VARLEN=cu_seqlens is not None, num_warps=num_warps)
     return out.reshape(v.shape), (buf if returned and output_final_state else None)
 
 
@@ -252,8 +258,9 @@ def gated_delta_rule_triton_chunk(q, k, v, g, beta, scale=None, initial_state=No
                                   chunk_size=None, block_v=None, num_warps=None, num_stages=None,
                                   prepare_warps=None):
     """Launch parameters left None are chosen by :func:`chunk_configs` for the device."""
-    n, qf, kf, vf, gf, bf, cu, buf, slots, returned, out, scale, _ = _setup(
+    n, qf, kf, vf, gf, bf, buf, slots, returned, out, scale, _ = _setup(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, state_slots, 16)
+    cu = gdn.bounds(q.shape[0], q.shape[1], cu_seqlens, q.device)
     total, h = vf.shape[:2]
     hk, dk, dv = qf.shape[1], qf.shape[2], vf.shape[2]
     for name, x in (("chunk_size", chunk_size), ("block_v", block_v)):

@@ -171,3 +171,53 @@ def gated_delta_rule(seq_lens, num_heads=4, num_k_heads=None, head_k=32, head_v=
     elif initial_state:
         args["initial_state"] = rand(n, num_heads, head_k, head_v)
     return args
+
+
+def causal_conv1d(seq_lens, channels=64, width=4, packed=None, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """Sequences of ``seq_lens`` tokens, packed along T (``cu_seqlens``) unless all have one length
+    (then [B, T]; ``packed`` forces either), as the engine holds them: x a view into a wider
+    projection output, every state in a pool of shuffled slots, updated in place there."""
+    gen = _generator(device, seed)
+    packed = len(set(seq_lens)) > 1 if packed is None else packed
+    b, t = (1, sum(seq_lens)) if packed else (len(seq_lens), seq_lens[0])
+    n = len(seq_lens)
+
+    def rand(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+    wide = rand(b, t, channels + 24)  # the projection's other outputs (z) after the channels
+    args = dict(x=wide[..., :channels], weight=rand(channels, width, std=width ** -0.5),
+                conv_state=rand(n + 3, channels, width - 1),
+                state_slots=torch.randperm(n + 3, generator=gen, device=device)[:n], cu_seqlens=None)
+    if packed:
+        starts = [0]
+        for length in seq_lens:
+            starts.append(starts[-1] + length)
+        args["cu_seqlens"] = torch.tensor(starts, dtype=torch.int32, device=device)
+    return args
+
+
+def gdn_gating(tokens, num_heads=32, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """a and b as views into one projection output; A = exp(A_log) in [0.05, 1] and dt_bias around
+    0 as the engine draws them; a spread so that softplus meets both its tails (past its linear
+    threshold of 20, and far below 0)."""
+    gen = _generator(device, seed)
+    b, a = torch.randn(2, tokens, num_heads, generator=gen, device=device) * 4
+    a.view(-1)[::7] *= 6  # some a + dt_bias beyond +-20
+    ba = torch.cat([b, a], dim=1).to(dtype)
+    a_log = torch.empty(num_heads, device=device).uniform_(0.05, 1.0, generator=gen).log()
+    return dict(a=ba[:, num_heads:], b=ba[:, :num_heads], A_log=a_log.to(dtype),
+                dt_bias=(torch.randn(num_heads, generator=gen, device=device) * 0.5).to(dtype))
+
+
+def rms_norm_gated(tokens, num_heads=32, head_size=128, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """x as the recurrence returns it; the gate z a strided view into the projection that gives q, k, v, z."""
+    gen = _generator(device, seed)
+
+    def rand(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+    width = num_heads * head_size
+    qkvz = rand(tokens, 40 + width, std=2.0)
+    return dict(x=rand(tokens, num_heads, head_size, std=0.3), gate=qkvz[:, 40:].view(tokens, num_heads, head_size),
+                weight=(1 + rand(head_size, std=0.1)).to(dtype), eps=1e-6)

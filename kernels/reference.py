@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gdn
+from kernels import gdn, gdn_ops
 from kernels.routing import check_moe, route
 
 
@@ -107,7 +107,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_slots=None):
     """Token by token, every head at once (the contract: ``kernels/gdn.py``)."""
     n = gdn.check(q, k, v, g, beta, initial_state, cu_seqlens, state_slots)
-    qf, kf, vf, gf, bf, cu = gdn.packed(q, k, v, g, beta, cu_seqlens)
+    qf, kf, vf, gf, bf = gdn.packed(q, k, v, g, beta)
     qf, kf, vf, gf, bf = (x.double() for x in (qf, kf, vf, gf, bf))
     if use_qk_l2norm_in_kernel:
         qf, kf = gdn.l2norm(qf), gdn.l2norm(kf)
@@ -116,7 +116,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     buf, slots, returned = gdn.state_buffer(q, v, initial_state, state_slots, n)
     out = torch.zeros(vf.shape, dtype=torch.float64, device=q.device)
-    for i, (a, b) in enumerate(gdn.spans(cu)):
+    for i, (a, b) in enumerate(gdn.spans(*q.shape[:2], cu_seqlens)):
         slot = int(slots[i])
         s = buf[slot].double()  # [H, K, V]
         for t in range(a, b):
@@ -127,3 +127,31 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
         buf[slot] = s.to(buf.dtype)
     o = out.reshape(v.shape).to(q.dtype)
     return o, (buf if returned and output_final_state else None)
+
+
+def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None):
+    """Sequence by sequence, output by output (the contract: ``kernels/gdn_ops.py``)."""
+    gdn_ops.check_conv(x, weight, conv_state, state_slots, cu_seqlens)
+    rows, w = x.reshape(-1, x.shape[2]).double(), weight.double()
+    width = w.shape[1]
+    out = torch.empty(rows.shape, dtype=torch.float64, device=x.device)
+    for i, (first, end) in enumerate(gdn.spans(x.shape[0], x.shape[1], cu_seqlens)):
+        slot = int(state_slots[i])
+        seq = torch.cat([conv_state[slot].double(), rows[first:end].T], dim=-1)  # [C, W - 1 + n]
+        for t in range(end - first):
+            out[first + t] = (seq[:, t:t + width] * w).sum(-1)
+        conv_state[slot] = seq[:, seq.shape[1] - (width - 1):].to(conv_state.dtype)
+    return torch.nn.functional.silu(out).view(x.shape).to(x.dtype)
+
+
+def gdn_gating(a, b, A_log, dt_bias):
+    gdn_ops.check_gating(a, b, A_log, dt_bias)
+    x = a.double() + dt_bias.double()
+    softplus = torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    g = -A_log.double().exp() * softplus
+    return g.to(gdn_ops.decay_dtype(a.dtype)), torch.sigmoid(b.double()).to(b.dtype)
+
+
+def rms_norm_gated(x, gate, weight, eps):
+    gdn_ops.check_norm_gated(x, gate, weight)
+    return (_rms64(x, weight, eps) * torch.nn.functional.silu(gate.double())).to(x.dtype)

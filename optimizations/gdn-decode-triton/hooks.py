@@ -8,9 +8,8 @@ from pathlib import Path
 
 def triton_gdn_in_use(root: Path, serve_config: str) -> bool:
     from engine.config import load_config
-    from engine.kernel_choice import triton_runs
+    from engine.kernel_choice import gdn_triton_runs
 
-    config = load_config(Path(root) / serve_config)
-    hybrid, runs = config.hf.is_hybrid, triton_runs(config.torch_device())
-    print(f"model {config.model} has Gated DeltaNet layers: {hybrid}; Triton runs on {config.torch_device()}: {runs}")
-    return hybrid and runs
+    runs, why = gdn_triton_runs(load_config(Path(root) / serve_config))
+    print(why)
+    return runs

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.config import KERNEL_KEYS, ConfigError, EngineConfig, load_config
+from engine.config import KERNEL_KEYS, ConfigError, EngineConfig, key_ops, load_config
 from engine.llm import LLM
 from orchestrator.probes.agreement import compare
 
@@ -164,7 +164,7 @@ class KernelChecks:
         os.replace(tmp, self.cache)
 
     def run(self, choice: dict[str, str]) -> list[dict]:
-        wanted = sorted({(KERNEL_KEYS[k], v) for k, v in choice.items() if v != "reference"})
+        wanted = sorted({(op, v) for k, v in choice.items() if v != "reference" for op in key_ops(k)})
         digest = kernels_digest() if self.cache else ""
         cached = self._load_cache()
         results: dict[tuple[str, str], dict] = {}

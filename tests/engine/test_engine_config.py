@@ -40,6 +40,9 @@ def test_a_file_and_a_dict_give_the_same_config(tmp_path):
     ("moe-dispatch: [sorted, fused]\n", "moe-dispatch", "unknown moe variant 'fused'"),
     ("attention-decode: []\n", "attention-decode", "names no variant"),
     ("gdn-decode: [triton_recurrent, fused]\n", "gdn-decode", "unknown gated_delta_rule variant 'fused'"),
+    ("gdn-fused: [triton, recurrent]\n", "gdn-fused",  # every op of the key needs the variant
+     "unknown causal_conv1d/gdn_gating/rms_norm_gated variant 'recurrent'; known: reference, torch, triton"),
+    ("gdn-fused: 3\n", "gdn-fused", "a variant name or a list of them"),
     ("model: tiny-hybrid\nnum-layers: 3\n", "num-layers", "no full-attention layer"),
     ("model: gpt-9\n", "model", "neither a preset"),
     ("num-layers: 0\n", "num-layers", "greater than or equal to 1"),

@@ -69,7 +69,7 @@ def test_fill_gives_each_row_its_state_slot_and_padding_the_scratch_one():
     assert inp.meta[STATE_SLOTS, :4].tolist() == [4, 0, 5, 6]
     state = inp.metadata(4).state
     assert state.num_decode == 4 and state.decode_slots.tolist() == [4, 0, 5, 6]
-    assert state.fresh_slots is None and state.prefill_spans == [] and state.prefill_slots is None
+    assert state.fresh_slots is None and state.prefill_slots is None and state.prefill_cu_seqlens is None
     assert state.decode_slots.data_ptr() == inp.meta[STATE_SLOTS].data_ptr()  # a view of the static buffer
     inp.fill([b], rows=2)
     assert inp.meta[STATE_SLOTS, :2].tolist() == [0, 6]  # row 1, a's before, is padding again
@@ -98,7 +98,8 @@ CASES = {
     "hybrid": {"model": "tiny-hybrid"},
     "hybrid-max-num-seqs-5": {"model": "tiny-hybrid", "max-num-seqs": 5},
     "hybrid-gdn-decode-chunk": {"model": "tiny-hybrid", "gdn-decode": "chunk"},
-    "hybrid-graph-safe-kernels": {"model": "tiny-hybrid", **GRAPH_SAFE, "gdn-decode": "triton_recurrent"},
+    "hybrid-graph-safe-kernels": {"model": "tiny-hybrid", **GRAPH_SAFE, "gdn-decode": "triton_recurrent",
+                                  "gdn-fused": "triton"},
 }
 
 
@@ -227,7 +228,10 @@ def test_kernels_that_wait_on_the_device_block_capture():
                                                                   "moe-dispatch": "triton", "gdn-decode": "reference"})))
     assert "gdn-decode variant reference waits on the device" in hybrid._graph_blocker()
     hybrid = ModelRunner(load_config(tiny(model="tiny-hybrid", **{"attention-decode": "v2_triton",
+                                                                  "moe-dispatch": "triton", "gdn-fused": "reference"})))
+    assert "gdn-fused variant reference waits on the device (causal_conv1d" in hybrid._graph_blocker()
+    hybrid = ModelRunner(load_config(tiny(model="tiny-hybrid", **{"attention-decode": "v2_triton",
                                                                   "moe-dispatch": "triton"})))
-    assert hybrid._graph_blocker() is None  # the default gdn-decode, recurrent, is graph-safe
+    assert hybrid._graph_blocker() is None  # the defaults gdn-decode recurrent and gdn-fused torch are graph-safe
     runner.model.static_decode = False  # a model whose decode reads more than the static buffers hold
     assert "declares no static decode path" in runner._graph_blocker()

@@ -67,8 +67,9 @@ def test_a_hybrid_model_ignores_prefix_caching_and_resolves_its_gated_deltanet_k
     hybrid = {**BASE, "model": "tiny-hybrid"}
     base, cand = run({"enable-prefix-caching": False}, hybrid)
     assert cand["configuration"] == base and base["prefix-caching"] is False
-    assert base["gdn-prefill"] == "chunk" and base["gdn-decode"] == "recurrent"
-    assert "gdn-prefill" not in effective(load_config(BASE))["configuration"]
+    assert base["gdn-prefill"] == "chunk" and base["gdn-decode"] == "recurrent" and base["gdn-fused"] == "torch"
+    dense = effective(load_config(BASE))["configuration"]
+    assert "gdn-prefill" not in dense and "gdn-fused" not in dense
 
 
 def test_the_command_prints_one_result_line_and_names_a_bad_key(tmp_path):

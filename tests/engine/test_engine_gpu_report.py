@@ -83,3 +83,27 @@ def test_cpu_smoke_run_covers_the_graph_and_engine_sections_on_the_hybrid_model(
     for key in ("decode_step_eager", "decode_step_graphs", "throughput_graphs", "throughput_eager"):
         assert key in engine, key
     assert engine["throughput_graphs"]["output_tok_s"] > 0
+
+
+def test_cpu_smoke_run_of_the_gdn_section_counts_kernels_per_layer_and_times_the_fused_ops(tmp_path):
+    """Under the interpreter (float16, so that casts count as on a GPU): a Gated DeltaNet layer's
+    decode step with gdn-fused torch and triton, and each fused op timed against its torch one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-m", "engine.gpu_report", "--device", "cpu", "--sections", "gdn"], env=env,
+                       capture_output=True, text=True, timeout=900, cwd=repo)
+    assert p.returncode == 0 and "FAILED" not in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    gdn = json.loads((tmp_path / "gpu_report.json").read_text())["gdn"]
+    layer = {row["gdn_fused"]: row for row in gdn["layer"]}
+    assert layer["triton"]["kernels"] <= 15 < layer["torch"]["kernels"]
+    assert layer["triton"]["mixer_kernels"] == 6 and "triton:_conv_kernel" in layer["triton"]["kernel_names"]
+    assert {(row["op"], row["prefill"]) for row in gdn["ops"]} == {
+        (op, prefill) for op in ("causal_conv1d", "gdn_gating", "rms_norm_gated") for prefill in (False, True)}
+    assert all(row["torch_ms"] > 0 and row["triton_ms"] > 0 and row["floor_ms"] > 0 for row in gdn["ops"])
+    assert "gdn-fused triton | 14 kernels (token mixer 6)" in p.stdout

@@ -8,7 +8,7 @@ import kernels
 from engine_helpers import invariance_prompts, tiny
 from engine_dense_reference import forward
 from engine import LLM
-from engine.config import KERNEL_KEYS
+from engine.config import KERNEL_KEYS, key_variants
 
 MAX_TOKENS = 12
 PROMPTS = invariance_prompts()
@@ -52,21 +52,25 @@ def test_the_state_matters(expected):
     assert llm.generate(PROMPTS, MAX_TOKENS) != expected[1]
 
 
-# The defaults (gdn-prefill chunk, gdn-decode recurrent) run in every case without a gdn key; the
-# Triton variants run together, as the gdn plugins ship them (each under the interpreter is slow).
+# The defaults (gdn-prefill chunk, gdn-decode recurrent, gdn-fused torch) run in every case without a
+# gdn key; the Triton variants run together, as the gdn plugins ship them (each under the
+# interpreter is slow), and the fused ones also with the torch recurrences.
 CASES = [
     ("max-num-seqs-1", {"max-num-seqs": 1}),
     ("max-num-seqs-3", {"max-num-seqs": 3}),
     ("chunk-every-prefill", {"max-num-batched-tokens": 13}),
     ("gdn-prefill-recurrent", {"gdn-prefill": "recurrent"}),
     ("gdn-decode-chunk", {"gdn-decode": "chunk"}),
-    ("gdn-triton", {"gdn-prefill": "triton_chunk", "gdn-decode": "triton_recurrent"}),
+    ("gdn-fused-triton", {"gdn-fused": "triton", "max-num-batched-tokens": 13}),
+    ("gdn-triton", {"gdn-prefill": "triton_chunk", "gdn-decode": "triton_recurrent", "gdn-fused": "triton"}),
 ]
 
 
 def test_every_gdn_variant_is_covered():
-    covered = {"chunk", "recurrent"} | {v for _, c in CASES for k, v in c.items() if k.startswith("gdn-")}
+    covered = {"chunk", "recurrent"} | {v for _, c in CASES for k, v in c.items() if k in ("gdn-prefill", "gdn-decode")}
     assert covered == set(kernels.variants("gated_delta_rule")[1:])
+    fused = {"torch"} | {c["gdn-fused"] for _, c in CASES if "gdn-fused" in c}
+    assert fused == set(key_variants("gdn-fused")) - {"reference"}
 
 
 @pytest.mark.parametrize("overrides", [c[1] for c in CASES], ids=[c[0] for c in CASES])
@@ -125,10 +129,9 @@ def test_batch_rows_read_and_write_their_sequences_slots():
     st = meta.state
     assert st.num_decode == 2 and st.decode_slots.tolist() == [2, 4]  # short decodes, then long ones
     assert st.prefill_slots.tolist() == [6, 1] and st.prefill_cu_seqlens.tolist() == [0, 10, 19]
-    assert st.prefill_spans == [(2, 12, 6), (12, 21, 1)]
     assert sorted(st.fresh_slots.tolist()) == [1, 2]
     decode_only = runner.prepare([long_])[2].state
-    assert decode_only.fresh_slots is None and decode_only.prefill_spans == []
+    assert decode_only.fresh_slots is None and decode_only.prefill_slots is None
 
 
 def test_abort_gives_the_slot_back():

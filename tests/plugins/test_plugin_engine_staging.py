@@ -74,7 +74,8 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton", "cuda-graphs"):
         assert outcomes[pid] == [("skipped", "not_applicable", None)]
     for pid in ("max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-triton",
-                "prefill-triton", "moe-triton", "fused-norm-rope", "gdn-prefill-triton", "gdn-decode-triton"):
+                "prefill-triton", "moe-triton", "fused-norm-rope", "gdn-prefill-triton", "gdn-decode-triton",
+                "gdn-fused-triton"):
         assert [o[:2] for o in outcomes[pid]] == [("kept", None)], (pid, outcomes[pid])
     assert outcomes["decode-threshold-64k"][0][:2] == ("rolled_back", "regressed")
     assert outcomes["prefill-triton-tuning"] == [("skipped", "not_applicable", None)]  # vLLM's copy
@@ -125,7 +126,7 @@ def test_gdn_plugins_apply_to_hybrid_models_where_triton_runs(tmp_path):
     base = (CONFIGS / "baseline.yaml").read_text().replace("device: auto", "device: cpu")
     script = ("import sys; sys.path.insert(0, %r); import hooks; "
               "sys.exit(0 if hooks.triton_gdn_in_use(%r, 'serve.yaml') else 3)")
-    for plugin in ("gdn-prefill-triton", "gdn-decode-triton"):
+    for plugin in ("gdn-prefill-triton", "gdn-decode-triton", "gdn-fused-triton"):
         outcomes = []
         for model, extra_env in (("tiny-hybrid", {"TRITON_INTERPRET": "1"}), ("tiny-hybrid", {}),
                                  ("tiny", {"TRITON_INTERPRET": "1"})):

@@ -26,7 +26,7 @@ NEWER_ONLY = {"cudagraph-capture-size"}  # max-cudagraph-capture-size: not an op
 FORK_ONLY = {"fork-head-mapping-tensor", "fork-enable-triton", "fork-xformers-flash-prefill", "decode-v2-long",
              "decode-threshold-64k"}
 ENGINE_ONLY = {"prefill-pregather", "prefill-triton-autotune", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs", "gdn-prefill-triton",
-               "gdn-decode-triton"}
+               "gdn-decode-triton", "gdn-fused-triton"}
 
 
 def wheel_cache() -> Path:
