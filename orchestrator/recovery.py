@@ -34,7 +34,7 @@ from pathlib import Path
 
 from orchestrator import images
 from orchestrator.errors import UserError
-from orchestrator.journal import TMP_SUFFIX, Journal
+from orchestrator.journal import TMP_SUFFIX, BlobError, Journal
 from orchestrator.probes.marks import sweep_scope, wait_keepers
 from orchestrator.probes.runner import KEEPER_GRACE, kill_group
 from orchestrator.store import Store, label
@@ -145,7 +145,9 @@ def undo(store: Store, journal: Journal, step_id: int) -> list[tuple[Path, str]]
                 [(t["root"], t["manifest"]) for t in store.tree_rows(step_id)])
     attach(unit, journal.intents.read())
     p = plan(journal, unit)
-    journal.put(p.writes(forced=True))  # a damaged pre-image is a BlobError there, before anything is written
+    if p.damaged:
+        raise BlobError([(blob, f"the image of {path}", why) for blob, path, why in p.damaged])
+    journal.put(p.writes(forced=True))
     return p.left
 
 
@@ -295,12 +297,12 @@ def plan(journal: Journal, unit: Unit, ahead: dict[Path, tuple] | None = None) -
         tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
         if path.name and os.path.lexists(tmp) and not tmp.is_dir():  # a rename into place that did not happen
             ev.wanted[tmp] = (None, None)
-            ev.known[tmp].append(images.read(tmp))
+            ev.known[tmp].append(_current(tmp))
     for path, want in ev.wanted.items():
         now = current(path)
         if images.same(now, want):
             continue
-        if path not in ev.untold and ev.certain(journal, path, now, path not in ahead):
+        if ev.certain(journal, path, now, path not in ahead):
             p.items.append((path, *want))
         else:
             p.conflicts.append((path, *want, ev.untold.get(path, AGAIN)))
