@@ -76,18 +76,29 @@ def _group(pid: int) -> int | None:
     return group if group != os.getpgrp() else None
 
 
+class Stop(Exception):
+    """The keeper was asked to stop (SIGTERM, SIGHUP, SIGINT): it ends ARGV and records, as when its stdin closes."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stop
+
+
 def wait(child: subprocess.Popen, life: int) -> int | None:
-    """ARGV's exit status, or None when `life` (stdin) closed first."""
+    """ARGV's exit status, or None when `life` (stdin) closed or a stop signal came first."""
     try:
         waits = [life, os.pidfd_open(child.pid)], None
     except (AttributeError, OSError):  # before Linux 5.3: look every 10 ms
         waits = [life], 0.01
-    while True:
-        ready, _, _ = select.select(waits[0], [], [], waits[1])
-        if child.poll() is not None:
-            return child.returncode
-        if life in ready and not os.read(life, 4096):
-            return None
+    try:
+        while True:
+            ready, _, _ = select.select(waits[0], [], [], waits[1])
+            if child.poll() is not None:
+                return child.returncode
+            if life in ready and not os.read(life, 4096):
+                return None
+    except Stop:
+        return None
 
 
 def clock(path: Path) -> int:
@@ -140,6 +151,9 @@ def main() -> int:
     spec, argv = json.loads(sys.argv[1]), sys.argv[3:]
     report = os.fdopen(spec["report"], "w")
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    stops = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    for signum in stops:  # while ARGV is waited for, a stop ends it; nothing stops the record (ARGV gets defaults)
+        signal.signal(signum, lambda *_: None)
     intents = Intents(Path(spec["state"]))
     record = {**spec["record"], "process": f"{os.getpid()}.{time.time_ns()}"}
     intents.add([{**record, "started": True}])
@@ -149,7 +163,11 @@ def main() -> int:
     except OSError as e:
         status = {"errno": e.errno, "error": e.strerror or str(e)}
     else:
+        for signum in stops:
+            signal.signal(signum, _stop)
         returncode = wait(child, sys.stdin.fileno())
+        for signum in stops:
+            signal.signal(signum, signal.SIG_IGN)
         status = {"returncode": returncode if returncode is not None else -signal.SIGKILL}
     end_all()
     end = clock(intents.path)

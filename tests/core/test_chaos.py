@@ -132,8 +132,9 @@ def kill_at(project, args, delay: float, marker=None) -> bool:
     it had finished."""
     proc = project.spawn(*args)
     start = locked(project, proc)
-    while marker is not None and not marker.exists() and proc.poll() is None:
-        time.sleep(0.005)
+    if marker is not None:
+        while not marker.exists() and proc.poll() is None:
+            time.sleep(0.005)
         start = time.monotonic()
     time.sleep(max(0.0, delay - (time.monotonic() - start)))
     alive = proc.poll() is None
@@ -159,7 +160,8 @@ def test_kill_a_run_at_random_instants(tmp_path):
     duration = time.monotonic() - start  # from the lock to the end: recovery, baseline, plugins, re-validation
     assert proc.returncode == 0
     assert calibration.outcomes() == {
-        "faster": ("kept", None), "switch": ("kept", None), "tune": ("kept", None), "breaks": ("rolled_back", "incorrect"), "no-gain": ("rolled_back", "no_gain"),
+        "faster": ("kept", None), "switch": ("kept", None), "tune": ("kept", None),
+        "breaks": ("rolled_back", "incorrect"), "no-gain": ("rolled_back", "no_gain"),
         "fails-verify": ("rolled_back", "verify_failed")}
     check_recovered(calibration, original, {})
 
