@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 
 import psutil
 
+from orchestrator.probes.keeper import ENV as KEEPER_ENV
+
 MARK = "ORCHESTRATOR_PROCESS_MARK"
 UNSCOPED = "none"
 _scope = UNSCOPED  # the state folder whose lock this process holds, if any
@@ -79,9 +81,8 @@ def _living(test: Callable[[dict], bool], since: float | None = None) -> list[ps
 def wait_keepers(state_dir: Path, timeout: float) -> None:
     """Let the keepers (keeper.py) of the state folder's step processes end their processes and record what those
     changed, for up to `timeout` seconds: a dead run's keepers do so right after it died."""
-    from orchestrator.probes.keeper import ENV
     scope = scope_of(state_dir)
-    psutil.wait_procs(_living(lambda env: env.get(ENV) == scope), timeout=timeout)
+    psutil.wait_procs(_living(lambda env: env.get(KEEPER_ENV) == scope), timeout=timeout)
 
 
 def sweep(test: Callable[[list[str]], bool], since: float | None = None, rounds: int = 100) -> int:

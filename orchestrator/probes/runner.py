@@ -240,26 +240,25 @@ def run_process(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
                 kill_group(proc.pid, proc.pid)  # on timeout, and leftovers (a server it forgot to stop)
                 proc.wait()
                 sweep_mark(mark, since)  # and what escaped the group and the tree
+                if keeper:
+                    with os.fdopen(report[0]) as f:
+                        said = f.read().splitlines()
                 if on_end:
                     on_end()
             duration = time.monotonic() - start
-        returncode, launch_error = (_kept(report[0], argv, cwd, proc.returncode) if keeper
-                                    else (proc.returncode, None))
+        returncode, launch_error = _kept(said, argv, cwd, proc.returncode) if keeper else (proc.returncode, None)
         return ProcessResult(returncode, timed_out, duration, _tail(out_path), _tail(err_path),
                              *find_result(out_path), launch_error=launch_error)
 
 
-def _close(*fds: int | None) -> None:
-    for fd in fds:
-        if fd is not None:
-            os.close(fd)
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
-def _kept(report: int, argv: list[str], cwd: Path, keeper_status: int | None) -> tuple[int | None, str | None]:
-    """(the command's exit status, why it could not start) from its keeper's report."""
-    with os.fdopen(report) as f:
-        lines = f.read().splitlines()
-    status = json.loads(lines[-1]) if lines else {}
+def _kept(said: list[str], argv: list[str], cwd: Path, keeper_status: int | None) -> tuple[int | None, str | None]:
+    """(the command's exit status, why it could not start) from what its keeper reported."""
+    status = json.loads(said[-1]) if said else {}
     if "returncode" in status:
         return status["returncode"], None
     if "errno" in status:
