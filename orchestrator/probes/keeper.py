@@ -1,6 +1,6 @@
 """Runs a step's process that may change a target root, and records when it ended and what it changed there.
 
-`python -I -S keeper.py SPEC -- ARGV...`, started by run_process in a session of its own. It starts ARGV in another
+`python -I keeper.py SPEC -- ARGV...`, started by run_process in a session of its own. It starts ARGV in another
 session and waits until ARGV exits or its own stdin closes (the orchestrator died, or gave up on ARGV at its
 timeout). Then it kills every process ARGV left: as the child subreaper, it inherits even those that double-forked
 away, so when it has reaped its last child none is left. Only then it takes a time of the file system's clock and
@@ -8,8 +8,7 @@ compares the root with the step's snapshot, and appends to the intent log (inten
 changed before that time: what changed later is someone else's (recovery.py). A path changed again after that time
 is named as such. It reports ARGV's exit status (or why it could not start) on the file descriptor SPEC names.
 
-Standalone: the standard library and the orchestrator's images and intents modules only, whatever the target's
-Python environment holds.
+Standalone: the standard library, psutil and the orchestrator's images and intents modules only.
 """
 from __future__ import annotations
 
@@ -23,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 if __name__ == "__main__":  # run with -I: the orchestrator's package is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from orchestrator import images  # noqa: E402
@@ -32,28 +33,11 @@ ENV = "ORCHESTRATOR_KEEPER"  # in a keeper's environment (not its command's): th
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def children() -> list[int]:
-    """This process's children, zombies included."""
-    try:
-        return [int(pid) for task in os.listdir("/proc/self/task")
-                for pid in Path(f"/proc/self/task/{task}/children").read_text().split()]
-    except FileNotFoundError:  # a kernel without CONFIG_PROC_CHILDREN: read every process's parent
-        found = []
-        for entry in os.listdir("/proc"):
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
-            except OSError:
-                continue
-            if stat and int(stat[stat.rindex(")") + 2:].split()[1]) == os.getpid():
-                found.append(int(entry))
-        return found
-
-
 def end_all() -> None:
     """Kill every process left under this one, and their process groups, round after round until none is left:
     the children of one killed are this one's in the next round."""
     while True:
-        for pid in children():
+        for pid in (child.pid for child in psutil.Process().children()):
             for kill, target in ((os.killpg, _group(pid)), (os.kill, pid)):
                 if target is not None:
                     try:

@@ -42,7 +42,7 @@ class Keeper:
     def argv(self, argv: list[str], report: int) -> list[str]:
         spec = {"state": str(self.state_dir), "record": self.record, "root": str(self.root),
                 "snapshot": str(self.snapshot), "report": report}
-        return [sys.executable, "-I", "-S", keeper_script.__file__, json.dumps(spec), "--", *argv]
+        return [sys.executable, "-I", keeper_script.__file__, json.dumps(spec), "--", *argv]
 
 
 class UnreadableResult(ValueError):
