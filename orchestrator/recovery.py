@@ -74,11 +74,11 @@ class Plan:
     conflicts: list[tuple[Path, str | None, int | None, str]] = field(default_factory=list)  # ... and why refused
     damaged: list[tuple[Path, Path, str]] = field(default_factory=list)  # (blob, path, why)
 
-    def writes(self, forced: bool) -> list[tuple[Path, str | None, int | None]]:
-        """What to put on disk: the certain items, and the conflicts when forced, less what has no usable blob."""
+    def writes(self) -> list[tuple[Path, str | None, int | None]]:
+        """What to put on disk once nothing is refused (or all is forced): the items and the conflicts, less what has
+        no usable blob."""
         damaged = {path for _, path, _ in self.damaged}
-        return [(path, image, mode) for path, image, mode, *_ in self.items + (self.conflicts if forced else [])
-                if path not in damaged]
+        return [(path, image, mode) for path, image, mode, *_ in self.items + self.conflicts if path not in damaged]
 
 
 @dataclass
@@ -118,7 +118,7 @@ def recover(store: Store, journal: Journal, run_status: str = "interrupted", det
     done = []
     for unit, p in zip(units, plans):
         p.left += [(path, f"its pre-image {blob.name} is {why}") for blob, path, why in p.damaged]
-        journal.put(p.writes(forced=True))  # conflicts are left only when refused, above
+        journal.put(p.writes())
         note = f"; left as they are: {describe_left(p.left)}" if p.left else ""
         if unit.unrecorded:
             store.event(unit.run_id, "unrecorded", f"{unit.name} (step {unit.step_id}) changed "
@@ -147,7 +147,7 @@ def undo(store: Store, journal: Journal, step_id: int) -> list[tuple[Path, str]]
     p = plan(journal, unit)
     if p.damaged:
         raise BlobError([(blob, f"the image of {path}", why) for blob, path, why in p.damaged])
-    journal.put(p.writes(forced=True))
+    journal.put(p.writes())
     return p.left
 
 
