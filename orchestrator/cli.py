@@ -86,12 +86,15 @@ def _open(project, need_roots: bool = True):
     return store, Journal(store, project.state_dir, roots)
 
 
-def _recover(store, journal, force: bool = False, command: bool = False) -> int:
-    """Recover, saying what was put back, what was left as it is, and what only the intent log knew of."""
+def _recover(store, journal, force: bool = False, command: bool = False) -> bool:
+    """Recover, saying what was ended, put back, left as it is, and what only the intent log knew of; whether there
+    was anything to do."""
     from orchestrator.recovery import describe_left, recover
     from orchestrator.store import label
-    done = recover(store, journal, force=force)
-    for r in done:
+    report = recover(store, journal, force=force)
+    for what in report.ended:
+        console.print(f"ended {escape(what)}", highlight=False, soft_wrap=True)
+    for r in report.steps:
         step = r.step
         if r.unit.unrecorded:
             err.print(f"[yellow]warning:[/] step {step['id']} ({escape(r.unit.name)}) changed "
@@ -106,7 +109,9 @@ def _recover(store, journal, force: bool = False, command: bool = False) -> int:
         if r.plan.left:
             console.print(f"  left as they are: {escape(describe_left(r.plan.left))}", highlight=False,
                           soft_wrap=True)
-    return len(done)
+    for run_id in report.closed:
+        console.print(f"run {run_id} recorded as interrupted", highlight=False)
+    return bool(report.steps or report.ended or report.closed)
 
 
 class LiveReporter:

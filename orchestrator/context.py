@@ -60,8 +60,7 @@ class RunContext:
         return env
 
     def tick(self, elapsed: float, tail: str) -> None:
-        """While a process runs: a sign of life for recovery (journal.alive), and progress for the reporter."""
-        self.journal.alive()
+        """While a process runs: progress for the reporter."""
         self.reporter.tick(elapsed, tail)
 
     def recorder(self, step_id: int | None):

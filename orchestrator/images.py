@@ -101,6 +101,47 @@ def walk(root: Path) -> Iterator[tuple[str, Path, os.stat_result]]:
                 stack.append(path)
 
 
+def spliced(path: Path, under: Path, written: Path) -> bool:
+    """Whether the file holds what a rewrite in place of `under`'s bytes by `written`'s leaves when cut short: the
+    first k bytes written, the rest of `under` after them (write_image writes from the start, then truncates)."""
+    size, under_size, written_size = (os.path.getsize(p) for p in (path, under, written))
+    if size > under_size:
+        return size <= written_size and _first_difference(path, written, size) == size
+    return size == under_size and _last_difference(path, under, size) < _first_difference(path, written, size)
+
+
+def _first_difference(a: Path, b: Path, size: int) -> int:
+    """The first offset below `size` where the files differ (one ending counts as differing), else `size`."""
+    offset = 0
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while offset < size:
+            x, y = fa.read(min(CHUNK, size - offset)), fb.read(min(CHUNK, size - offset))
+            if x != y:
+                lo, hi = 0, min(len(x), len(y))  # x[:lo] == y[:lo]; the first difference lies below hi (or at it)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if x[:mid] == y[:mid] else (lo, mid - 1)
+                return offset + lo
+            offset += len(x)
+    return size
+
+
+def _last_difference(a: Path, b: Path, size: int) -> int:
+    """The last offset below `size` where the files (of at least `size` bytes) differ, else -1."""
+    last, offset = -1, 0
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while offset < size:
+            x, y = fa.read(min(CHUNK, size - offset)), fb.read(min(CHUNK, size - offset))
+            if x != y:
+                lo, hi = 0, len(x)  # x[hi:] == y[hi:]; find the smallest such hi
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid + 1, hi) if x[mid:] != y[mid:] else (lo, mid)
+                last = offset + lo - 1
+            offset += len(x)
+    return last
+
+
 def manifest_entries(manifest: dict) -> dict[str, list]:
     """{relative path: [image, mode]} of a tree snapshot, also one written before symlinks and folders were
     images (files, links and a list of folders)."""

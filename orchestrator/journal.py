@@ -1,9 +1,10 @@
 """Content-addressed snapshots (state/blobs/<sha256>) and the per-step record of touched paths.
 
-A path's pre-image is durable before the path is touched, so whatever instant the process dies at, `restore` can
-put back the last kept state. Recovery rewrites every file of an unfinished step from its blob, so a write to the
-target interrupted half-way is repaired too. Images (images.py) are files with their bytes, symlinks with their
-target text and folders, each with its mode: measurement arms switch all of them, and rollback restores them.
+A path's pre-image is durable before the path is touched, and so is the image about to be written over it, so
+whatever instant the process dies at, recovery (recovery.py) can put back the last kept state and tell the
+command's own writes, a write interrupted half-way included, from anyone else's. Images (images.py) are files with
+their bytes, symlinks with their target text and folders, each with its mode: measurement arms switch all of them,
+and rollback restores them.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from orchestrator.store import Store
 
 TMP_SUFFIX = ".orch-tmp"
 CHUNK = images.CHUNK
+ROW_KEYS = ("root", "path", "before", "before_mode", "after", "after_mode", "sealed")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -37,6 +39,7 @@ def _fsync_dir(path: Path) -> None:
 
 def write_atomic(path: Path, data: bytes, mode: int | None = None, durable: bool = False) -> None:
     """Whole-file replace through a temporary file and a rename."""
+    forget_bytecode(path)
     tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -140,7 +143,6 @@ class Journal:
         self.blobs = self.state_dir / "blobs"
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.intents = Intents(self.state_dir)
-        self.heartbeat = self.state_dir / "heartbeat"
         self._verified: set[str] = set()
         self.watchers: list[Callable[[], None]] = []
 
@@ -153,21 +155,6 @@ class Journal:
     def _changing(self) -> None:
         for before_change in self.watchers:
             before_change()
-
-    def alive(self) -> None:
-        """The command is alive and may be about to change the target: recovery counts changes made later than
-        a second after the last such sign as someone else's (recovery.SETTLE)."""
-        try:
-            os.utime(self.heartbeat)
-        except FileNotFoundError:
-            self.heartbeat.touch()
-
-    def last_alive(self) -> float | None:
-        """When the last command of this state folder last gave a sign of life (None: never recorded)."""
-        try:
-            return self.heartbeat.stat().st_mtime
-        except FileNotFoundError:
-            return None
 
     def path(self, row: dict) -> Path:
         """Where a files row's path is on disk; OutsideRoot where the row leads out of its root (an absolute path
@@ -277,42 +264,70 @@ class Journal:
             return f"unreadable: {e}", None
 
     # recording, before a step touches anything
-    def track(self, step_id: int, root_name: str, root: Path, rel: str) -> None:
-        self.track_many(step_id, [(root_name, root, rel)])
-
-    def track_many(self, step_id: int, paths: list[tuple[str, Path, str]]) -> None:
-        """Record pre-images (and folders that will have to be created) once per step, in one transaction."""
+    def track_writes(self, step_id: int, writes: list[tuple[str, Path, str, bytes | None, bytes]]) -> None:
+        """Before declarative steps write (root name, root, path, bytes there now, bytes to write): record in one go
+        each path's pre-image, the folders to be created, and the bytes to write with those they are written over,
+        both as blobs. Recovery then knows a path holding either, or a mix of the two that a write cut short
+        leaves, for the step's own doing."""
         self._changing()
         known = {(r["root"], r["path"]) for r in self.store.file_rows(step_id)}
         rows: list[dict] = []
-        for root_name, root, rel in paths:
+        evidence: list[dict] = []
+        for root_name, root, rel, old, new in writes:
+            missing = self._missing_folders(root, rel)
+            evidence += [{"root": root_name, "path": str(d), "writes": images.DIR} for d in missing]
             if (root_name, rel) not in known:
-                rows += self._pre_rows(step_id, root_name, root, rel, known)
-        self.alive()
-        self.record(step_id, rows)
+                rows += self._pre_rows(step_id, root_name, root, rel, missing, known)
+            evidence.append({"root": root_name, "path": rel, "writes": self.put_bytes(new),
+                             "over": None if old is None else self.put_bytes(old)})
+        self.record(step_id, rows, evidence)
 
-    def track_images(self, step_id: int, paths: list[tuple[str, str]]) -> None:
-        """Record what (root name, path) pairs hold now, whatever they are, before they are switched to other
-        recorded images (a rollback of a kept plugin)."""
+    def track_images(self, step_id: int, paths: list[tuple[str, str, str | None, int | None]]) -> None:
+        """Record what (root name, path) pairs hold now, whatever they are, and the image and mode each is about to
+        be switched to (a rollback of a kept plugin)."""
         known = {(r["root"], r["path"]) for r in self.store.file_rows(step_id)}
         rows = []
-        for root_name, rel in dict.fromkeys(paths):
+        for root_name, rel, image, mode in paths:
             if (root_name, rel) not in known:
-                before, mode = self.keep(self.path({"root": root_name, "path": rel}))
-                rows.append(dict(step_id=step_id, root=root_name, path=rel, before=before, before_mode=mode))
+                known.add((root_name, rel))
+                before, before_mode = self.keep(self.path({"root": root_name, "path": rel}))
+                rows.append(dict(step_id=step_id, root=root_name, path=rel, before=before, before_mode=before_mode,
+                                 after=image, after_mode=mode, sealed=1))
         self.record(step_id, rows)
 
-    def record(self, step_id: int, rows: list[dict]) -> None:
-        """Add path rows of a step: announced in the intent log first, then committed to the database."""
-        if not rows:
+    def record(self, step_id: int, rows: list[dict], evidence: list[dict] = ()) -> None:
+        """Add path rows of a step: announced in the intent log first, with `evidence` (images about to be
+        written), then committed to the database."""
+        if not rows and not evidence:
             return
-        step = self.store.step(step_id)
-        self.intents.add([{"step": step_id, "run": step["run_id"], "plugin": step["plugin"], **{
-            k: r.get(k) for k in ("root", "path", "before", "before_mode", "after", "after_mode", "sealed")}}
-            for r in rows])
-        self.store.add_files(rows)
+        identity = self.identity(step_id)
+        self.intents.add([{**identity, **{k: r.get(k) for k in ROW_KEYS}} for r in rows] +
+                         [{**identity, **e} for e in evidence])
+        if rows:
+            self.store.add_files(rows)
 
-    def _pre_rows(self, step_id: int, root_name: str, root: Path, rel: str, known: set) -> list[dict]:
+    def identity(self, step_id: int) -> dict:
+        """What names a step in the intent log: its id, its run and its plugin (ids are reused by a history that
+        lost its last commits)."""
+        step = self.store.step(step_id)
+        return {"step": step_id, "run": step["run_id"], "plugin": step["plugin"]}
+
+    @staticmethod
+    def _missing_folders(root: Path, rel: str) -> list[Path]:
+        """The folders above `rel` that do not exist yet, shallowest first (TouchError: a file is in the way)."""
+        missing = []
+        parent = Path(rel).parent
+        while str(parent) not in ("", "."):
+            if os.path.lexists(root / parent):
+                if not (root / parent).is_dir():
+                    raise TouchError(f"{rel}: {parent} is a file, not a folder")
+                break
+            missing.append(parent)
+            parent = parent.parent
+        return missing[::-1]
+
+    def _pre_rows(self, step_id: int, root_name: str, root: Path, rel: str, missing: list[Path],
+                  known: set) -> list[dict]:
         """Rows for a file a declarative step will write, and for the folders it needs created."""
         full = root / rel
         if full.is_symlink():
@@ -325,16 +340,7 @@ class Journal:
         if os.path.lexists(full) and not full.is_file():
             raise TouchError(f"{rel}: is not a regular file")
         rows = []
-        missing = []
-        parent = Path(rel).parent
-        while str(parent) not in ("", "."):
-            if os.path.lexists(root / parent):
-                if not (root / parent).is_dir():
-                    raise TouchError(f"{rel}: {parent} is a file, not a folder")
-                break
-            missing.append(parent)
-            parent = parent.parent
-        for d in reversed(missing):
+        for d in missing:
             if (root_name, str(d)) not in known:
                 known.add((root_name, str(d)))
                 rows.append(dict(step_id=step_id, root=root_name, path=str(d), before=None, before_mode=None))
@@ -357,19 +363,21 @@ class Journal:
     def entries(self, tree: dict) -> dict[str, list]:
         return images.manifest_entries(json.loads(self.blob(tree["manifest"], "the snapshot of a whole root")))
 
-    def track_tree(self, step_id: int, root_name: str, root: Path) -> None:
-        """Record a whole root before a command or hook that may change anything in it."""
+    def track_tree(self, step_id: int, root_name: str, root: Path) -> str:
+        """Record a whole root before a command or hook that may change anything in it: each path's image and when
+        it last changed (its ctime, for the keeper of the step's process to compare). Returns the snapshot's blob."""
         self._changing()
-        if any(r["root"] == root_name for r in self.store.tree_rows(step_id)):
-            return
-        entries = {rel: list(self.keep(path) if stat.S_ISREG(st.st_mode) else images.read(path, st))
-                   for rel, path, st in images.walk(root)}
-        digest = self.put_bytes(json.dumps({"entries": entries}, sort_keys=True).encode())
-        step = self.store.step(step_id)
-        self.alive()
-        self.intents.add([{"step": step_id, "run": step["run_id"], "plugin": step["plugin"], "root": root_name,
-                           "tree": digest}])
+        for tree in self.store.tree_rows(step_id):
+            if tree["root"] == root_name:
+                return tree["manifest"]
+        entries, ctimes = {}, {}
+        for rel, path, st in images.walk(root):
+            entries[rel] = list(self.keep(path) if stat.S_ISREG(st.st_mode) else images.read(path, st))
+            ctimes[rel] = st.st_ctime_ns
+        digest = self.put_bytes(json.dumps({"entries": entries, "ctimes": ctimes}, sort_keys=True).encode())
+        self.intents.add([{**self.identity(step_id), "root": root_name, "tree": digest}])
         self.store.add_tree(step_id, root_name, digest)
+        return digest
 
     def seal(self, step_id: int) -> None:
         """After apply: fold what command steps changed into per-path rows and record every post-image. A symlink
@@ -414,7 +422,8 @@ class Journal:
         for step_id in unfinished:  # a kept step's rows say all it changed; its snapshot is history
             manifests.update(t["manifest"] for t in self.store.tree_rows(step_id))
         for record in self.intents.read():
-            needed.update(i for i in (record.get("before"), record.get("after")) if isinstance(i, str) and images.is_blob(i))
+            needed.update(i for i in (record.get(k) for k in ("before", "after", "writes", "over"))
+                          if isinstance(i, str) and images.is_blob(i))
             if isinstance(record.get("tree"), str):
                 manifests.add(record["tree"])
         for manifest in manifests:
@@ -439,8 +448,10 @@ class Journal:
 
     # putting images on disk
     def put(self, items: list[tuple[Path, str | None, int | None]]) -> None:
-        """Make each path hold its (image, mode); blobs are checked before anything is written."""
-        self._apply(items)
+        """Make each path hold its (image, mode), each file whole or not at all (a new file renamed into place);
+        blobs are checked before anything is written."""
+        self._changing()
+        self._apply(items, atomic=True)
 
     def show(self, step_id: int, image: str) -> None:
         """Put the step's pre- or post-images on disk; the step row says which, before any byte moves."""
@@ -449,29 +460,14 @@ class Journal:
         side = ("before", "before_mode") if image == "pre" else ("after", "after_mode")
         self._apply([(self.path(r), r[side[0]], r[side[1]]) for r in self.store.file_rows(step_id)])
 
-    def restore(self, step_id: int, exact: bool = True) -> None:
-        """Put back the state before the step; `exact` also makes recorded roots match their snapshot."""
-        self._changing()
-        if exact:
-            for tree in self.store.tree_rows(step_id):
-                root = self.roots[tree["root"]]
-                entries = self.entries(tree)
-                items = [(root / rel, image, mode) for rel, (image, mode) in entries.items()]
-                items += [(path, None, None) for rel, path, _ in images.walk(root) if rel not in entries]
-                self._apply(items, compare=True)
-        self.show(step_id, "pre")  # after the trees: a file tracked before a command holds an older pre-image
-
-    def _apply(self, items: list[tuple[Path, str | None, int | None]], compare: bool = False) -> None:
+    def _apply(self, items: list[tuple[Path, str | None, int | None]], atomic: bool = False) -> None:
         """Make each path hold its image: what is in the way goes first (deepest first), then folders, symlinks
         and files are put in place (shallowest first), then folder modes are set (a read-only folder last).
-        `compare` first hashes a file to skip rewriting one that already holds its image. Every blob to be
+        Files are rewritten in place, or with `atomic` through a new file renamed into place. Every blob to be
         written is checked first (BlobError, nothing changed)."""
         self.check_paths(items)
         beyond = {path for path, _, _ in items if self._link_on_the_way(path)}  # of a link replaced here
-        held = {path for path, image, _ in items if compare and images.is_blob(image) and path not in beyond
-                and path.is_file() and not path.is_symlink() and sha256_file(path) == image}
-        self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image) and path not in held])
-        self.alive()
+        self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image)])
         for path, image, _ in sorted(items, key=_depth, reverse=True):
             if path in beyond:
                 continue  # not in the target: the link is removed, never followed
@@ -488,7 +484,7 @@ class Journal:
             if image is not None:
                 if (link := self._link_on_the_way(path)) is not None:  # made a link since it was checked
                     raise OutsideRoot([_beyond(path, link)], partly=True)
-                self._place(path, image, mode, path in held)
+                self._place(path, image, mode, atomic)
         for path, image, mode in sorted(items, key=_depth, reverse=True):
             if image == DIR and mode is not None and stat.S_IMODE(os.lstat(path).st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
@@ -496,7 +492,7 @@ class Journal:
     def _link_on_the_way(self, path: Path) -> Path | None:
         return images.link_on_the_way(self._root_of(path), path)
 
-    def _place(self, path: Path, image: str, mode: int | None, held: bool) -> None:
+    def _place(self, path: Path, image: str, mode: int | None, atomic: bool) -> None:
         if image == DIR:
             path.mkdir(parents=True, exist_ok=True)
             return
@@ -513,8 +509,4 @@ class Journal:
         tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
         if tmp.is_file() and not tmp.is_symlink():
             tmp.unlink()
-        if held and path.is_file():  # unless deleted since: the cached bytecode of a module just written
-            if mode is not None and stat.S_IMODE(path.stat().st_mode) != stat.S_IMODE(mode):
-                os.chmod(path, stat.S_IMODE(mode))
-            return
-        write_image(path, self.blob(image), mode)
+        (write_atomic if atomic else write_image)(path, self.blob(image), mode)

@@ -207,7 +207,7 @@ class Together(Pairing):
     def run_together(self, jobs: dict[str, tuple[list[str], dict[str, str]]], spec,
                      step_id: int | None) -> dict[str, ProcessResult]:
         """Run one probe command per arm at the same time; their process rows are written here as they start
-        and end (the store belongs to this thread), and the run's heartbeat goes on meanwhile."""
+        and end (the store belongs to this thread)."""
         events: queue.Queue = queue.Queue()
         record = self.run.recorder(step_id)
         cpus = self.run.project.target.probe_cpus()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from orchestrator.config import Project
 from orchestrator.plugin import Plugin
-from orchestrator.steps import StepContext, StepFailed, check, compute, read_disk
+from orchestrator.steps import PROCESS_KINDS, StepContext, StepFailed, check, compute_all, read_disk
 
 
 @dataclass
@@ -57,24 +57,19 @@ def build_plan(project: Project, plugins: list[Plugin], kept: set[str] = frozens
         if unmet:
             item.skipped = f"not_applicable ({unmet})"
             continue
-        changes: dict[Path, tuple[bytes | None, bytes]] = {}
+        steps = [step for step in variant.apply if step.runs_on(target.kind)]
+        for step in steps:
+            if step.kind in PROCESS_KINDS:
+                what = " ".join(step.body.run) if step.kind == "command" else f"hooks.{step.body.function}()"
+                item.notes.append(f"runs {what} (its changes are known only at run time)")
         try:
-            for step in variant.apply:
-                if not step.runs_on(target.kind):
-                    continue
-                if step.kind in ("command", "python"):
-                    what = " ".join(step.body.run) if step.kind == "command" else f"hooks.{step.body.function}()"
-                    item.notes.append(f"runs {what} (its changes are known only at run time)")
-                    continue
-                _, root, full, data = compute(step, ctx, read)
-                changes.setdefault(full, (read(full), data))
-                changes[full] = (changes[full][0], data)
-                overlay[full] = data
+            changes = compute_all([s for s in steps if s.kind not in PROCESS_KINDS], ctx, read)
         except StepFailed as e:
             item.skipped = f"apply would fail: {e}"
             continue
+        overlay.update({full: new for full, (_, _, _, new) in changes.items()})
         would_keep.add(plugin.id)
-        for full, (old, new) in changes.items():
+        for full, (_, _, old, new) in changes.items():
             rel = _rel(full, target.roots)
             if old == new:
                 continue

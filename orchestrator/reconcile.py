@@ -185,7 +185,7 @@ class Reconciler:
         the state before it."""
         params = loads(u.row["params"])
         step_id = self.store.new_step(self.run.run_id, u.plugin, "rolling_back", params=params, kind="rollback")
-        self.journal.track_images(step_id, [key(f) for f in u.files])
+        self.journal.track_images(step_id, [(*key(f), *u.without[key(f)]) for f in u.files])
         moved = [(self.journal.path(f), *u.without[key(f)]) for f in u.files
                  if not same(u.held[key(f)], u.without[key(f)])]
         self.store_images([image for _, image, _ in moved])

@@ -72,7 +72,8 @@ def roll_back(store: Store, journal: Journal, project: Project, todo: list[dict]
         kept_step = row["step_id"]
         params = loads(row["params"])
         step_id = store.new_step(run.run_id, row["plugin"], "rolling_back", params=params, kind="rollback")
-        journal.track_images(step_id, [(f["root"], f["path"]) for f in deployment.files(kept_step)])
+        journal.track_images(step_id, [(f["root"], f["path"], f["before"], f["before_mode"])
+                                       for f in deployment.files(kept_step)])
         journal.show(kept_step, "pre")
         plugin = plugins.get(row["plugin"])
         if plugin:

@@ -20,6 +20,7 @@ from orchestrator.prober import (Arm, ArmFailed, BaselineFailed, EnvironmentFail
                                  numbers)
 from orchestrator.probes.runner import ProbeResult
 from orchestrator.reconcile import Reconciler, Unstacked
+from orchestrator.recovery import describe_left, undo
 from orchestrator.state_server import StateServer
 from orchestrator.steps import StepFailed, apply_all, check
 from orchestrator.store import dumps
@@ -170,9 +171,9 @@ class Stager:
         if step is None or variant is None:
             step_id = step["id"] if step else self.store.new_step(self.run.run_id, plugin.id, "applying")
             self.store.event(self.run.run_id, "error", f"{plugin.id}: {traceback.format_exc()}", step_id)
-            if step is not None:
-                self.journal.restore(step_id, exact=True)
-            self.store.finish_step(step_id, "rolled_back", "apply_failed", f"unexpected error: {what}")
+            left = undo(self.store, self.journal, step_id) if step is not None else []
+            self.store.finish_step(step_id, "rolled_back", "apply_failed", f"unexpected error: {what}" + self.named(
+                plugin, step_id, left))
             self.reporter.outcome(plugin.id, "rolled_back", "apply_failed", None)
             return None
         self.store.event(self.run.run_id, "error", f"{plugin.id}: {traceback.format_exc()}", step["id"])
@@ -371,11 +372,20 @@ class Stager:
         self.reporter.outcome(plugin.id, "kept", best.reason, d.gain if d else None)
 
     def roll_back(self, plugin: Plugin, variant: Variant, step_id: int, reason: str, detail: str) -> None:
-        """Restore every touched file, then run the plugin's own rollback steps in reverse."""
+        """Put back what the attempt changed, then run the plugin's own rollback steps in reverse; what others
+        changed in the target meanwhile stays, and is named."""
         self.reporter.phase(plugin.id, f"rollback ({reason})")
         self.store.set_step(step_id, state="rolling_back")
-        self.journal.restore(step_id, exact=True)
+        left = undo(self.store, self.journal, step_id)
         self.run.undo_steps(plugin, variant.params, step_id)
-        self.store.finish_step(step_id, "rolled_back", reason, detail)
+        self.store.finish_step(step_id, "rolled_back", reason, detail + self.named(plugin, step_id, left))
         self.reporter.outcome(plugin.id, "rolled_back", reason, None)
         return None
+
+    def named(self, plugin: Plugin, step_id: int, left: list) -> str:
+        """What a rollback left as it is (others' changes), as an event and as a note for the step's detail."""
+        if not left:
+            return ""
+        self.store.event(self.run.run_id, "left", f"{plugin.id}: rolled back; left as they are: {describe_left(left)}",
+                         step_id)
+        return f"; left as they are: {describe_left(left)}"

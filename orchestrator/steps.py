@@ -1,6 +1,7 @@
 """Step and check kinds: replace, deploy, yaml_set, command, python; contains, command, python.
 
-Declarative steps compute the new bytes from a reader, so `plan` can show a diff without writing.
+Declarative steps compute the new bytes from a reader, so `plan` can show a diff without writing; a command or
+python step's process runs under a keeper (probes/keeper.py), which records what it changed.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ruamel.yaml.comments import CommentedMap
 from orchestrator.journal import Journal, TouchError, write_image
 from orchestrator.loading import ConfigError
 from orchestrator.plugin import Check, Step, UndoStep, confine
-from orchestrator.probes.runner import ProcessResult, run_process
+from orchestrator.probes.runner import Keeper, ProcessResult, run_process
 
 PROCESS_KINDS = ("command", "python")
 HOOK_RUNNER = Path(__file__).resolve().parent / "hook_runner.py"
@@ -100,6 +101,20 @@ def compute(step: Step, ctx: StepContext, read: Reader) -> tuple[str, Path, Path
     raise ValueError(f"{step.kind} is not declarative")
 
 
+def compute_all(steps: list[Step], ctx: StepContext, read: Reader) -> dict[Path, tuple[str, Path, bytes | None, bytes]]:
+    """{file: (root name, root, its bytes before, its bytes after)} of declarative steps applied in order, each on
+    what the ones before it left, without writing anything."""
+    changes: dict[Path, tuple[str, Path, bytes | None, bytes]] = {}
+
+    def current(path: Path) -> bytes | None:
+        return changes[path][3] if path in changes else read(path)
+
+    for step in steps:
+        name, root, full, data = compute(step, ctx, current)
+        changes[full] = (name, root, changes[full][2] if full in changes else read(full), data)
+    return changes
+
+
 def yaml_set(text: str, key: str, value: Any, where: str) -> bytes:
     """Set a dotted key in YAML text, keeping comments, quotes and key order."""
     yaml = YAML(typ="rt")
@@ -133,19 +148,19 @@ def yaml_set(text: str, key: str, value: Any, where: str) -> bytes:
     return out.getvalue().encode("utf-8")
 
 
-def _run(ctx: StepContext, action, argv: list[str], timeout: float, what: str) -> ProcessResult:
+def _run(ctx: StepContext, action, argv: list[str], timeout: float, what: str, keeper: Keeper | None) -> ProcessResult:
     _, root = ctx.root_of(action)
     env = {**ctx.env, "ORCHESTRATOR_PLUGIN_DIR": str(ctx.plugin_dir)}
     return run_process(argv, root, env, timeout, on_start=ctx.on_start and (lambda pid, ct: ctx.on_start(what, pid, ct)),
-                       on_tick=ctx.on_tick, tmp_dir=ctx.tmp_dir)
+                       on_tick=ctx.on_tick, tmp_dir=ctx.tmp_dir, keeper=keeper)
 
 
-def _process(ctx: StepContext, action, mode: str) -> ProcessResult:
+def _process(ctx: StepContext, action, mode: str, keeper: Keeper | None = None) -> ProcessResult:
     body = action.body
     if action.kind == "command":
-        return _run(ctx, action, body.run, body.timeout, f"command {' '.join(body.run)}")
+        return _run(ctx, action, body.run, body.timeout, f"command {' '.join(body.run)}", keeper)
     argv = [sys.executable, str(HOOK_RUNNER), str(ctx.plugin_dir), body.function, json.dumps(body.args), mode]
-    return _run(ctx, action, argv, body.timeout, f"python {body.function}")
+    return _run(ctx, action, argv, body.timeout, f"python {body.function}", keeper)
 
 
 def _describe(result: ProcessResult, timeout: float) -> str:
@@ -159,41 +174,36 @@ def _describe(result: ProcessResult, timeout: float) -> str:
     return f"exited with status {result.returncode}" + (f": {' | '.join(tail)}" if tail else "")
 
 
-def apply_step(step: Step, ctx: StepContext) -> None:
-    """Run one apply step, recording pre-images in the journal before anything is touched."""
-    if step.kind in PROCESS_KINDS:
-        name, root = ctx.root_of(step)
-        ctx.journal.track_tree(ctx.step_id, name, root)  # also a sign of life just before the process starts
-        result = _process(ctx, step, "apply")
-        if result.timed_out or result.returncode != 0:
-            raise StepFailed(f"{step.kind}: {_describe(result, step.body.timeout)}", result)
-        return
-    name, root, full, data = compute(step, ctx, read_disk)
-    rel = str(full.relative_to(root))
+def apply_all(steps: list[Step], ctx: StepContext) -> None:
+    """Apply in order, recording first what recovery needs to tell the step's changes from anyone else's."""
+    for process, run in itertools.groupby(steps, key=lambda s: s.kind in PROCESS_KINDS):
+        for step in run if process else [list(run)]:
+            (run_command if process else write_all)(step, ctx)
+
+
+def run_command(step: Step, ctx: StepContext) -> None:
+    """A command or python step: its root is snapshotted, and its process runs under a keeper."""
+    name, root = ctx.root_of(step)
+    snapshot = ctx.journal.track_tree(ctx.step_id, name, root)
+    keeper = Keeper(ctx.journal.state_dir, {**ctx.journal.identity(ctx.step_id), "root": name}, root,
+                    ctx.journal.blobs / snapshot)
+    result = _process(ctx, step, "apply", keeper)
+    if result.timed_out or result.returncode != 0:
+        raise StepFailed(f"{step.kind}: {_describe(result, step.body.timeout)}", result)
+
+
+def write_all(steps: list[Step], ctx: StepContext) -> None:
+    """A run of declarative steps: computed whole, its pre-images and the bytes it will write recorded in one go,
+    then each file written once."""
+    changes = compute_all(steps, ctx, read_disk)
     try:
-        ctx.journal.track(ctx.step_id, name, root, rel)
+        ctx.journal.track_writes(ctx.step_id, [(name, root, str(full.relative_to(root)), old, new)
+                                               for full, (name, root, old, new) in changes.items()])
     except TouchError as e:
         raise StepFailed(str(e)) from None
-    full.parent.mkdir(parents=True, exist_ok=True)
-    write_image(full, data)
-
-
-def declared_path(step: Step, ctx: StepContext) -> tuple[str, Path, str]:
-    rel = step.body.dest if step.kind == "deploy" else step.body.path
-    name, root, full = _path(ctx, step, rel)
-    return name, root, str(full.relative_to(root))
-
-
-def apply_all(steps: list[Step], ctx: StepContext) -> None:
-    """Apply in order; each run of declarative steps has its pre-images recorded in one transaction first."""
-    for i, step in enumerate(steps):
-        if step.kind not in PROCESS_KINDS and (i == 0 or steps[i - 1].kind in PROCESS_KINDS):
-            batch = itertools.takewhile(lambda s: s.kind not in PROCESS_KINDS, steps[i:])
-            try:
-                ctx.journal.track_many(ctx.step_id, [declared_path(s, ctx) for s in batch])
-            except TouchError as e:
-                raise StepFailed(str(e)) from None
-        apply_step(step, ctx)
+    for full, (_, _, _, new) in changes.items():
+        full.parent.mkdir(parents=True, exist_ok=True)
+        write_image(full, new)
 
 
 def undo_step(step: UndoStep, ctx: StepContext) -> None:

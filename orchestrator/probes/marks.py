@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 
 import psutil
 
+from orchestrator.probes.keeper import ENV as KEEPER_ENV
+
 MARK = "ORCHESTRATOR_PROCESS_MARK"
 UNSCOPED = "none"
 _scope = UNSCOPED  # the state folder whose lock this process holds, if any
@@ -58,18 +60,29 @@ def _spared() -> set[int]:
 
 def marked(test: Callable[[list[str]], bool], since: float | None = None) -> list[psutil.Process]:
     """Live processes whose marks pass `test`; `since` (epoch seconds) skips older ones without reading them."""
+    return _living(lambda env: bool(env.get(MARK)) and test(env[MARK].split()), since)
+
+
+def _living(test: Callable[[dict], bool], since: float | None = None) -> list[psutil.Process]:
+    """Live processes whose environment passes `test`."""
     spared = _spared()
     found = []
     for proc in psutil.process_iter(["create_time"]):
         if proc.pid in spared or (since is not None and (proc.info["create_time"] or 0) < since):
             continue
         try:
-            value = proc.environ().get(MARK)
-            if value and test(value.split()) and proc.status() != psutil.STATUS_ZOMBIE:
+            if test(proc.environ()) and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except psutil.Error:  # gone, a zombie, or another user's
             continue
     return found
+
+
+def wait_keepers(state_dir: Path, timeout: float) -> None:
+    """Let the keepers (keeper.py) of the state folder's step processes end their processes and record what those
+    changed, for up to `timeout` seconds: a dead run's keepers do so right after it died."""
+    scope = scope_of(state_dir)
+    psutil.wait_procs(_living(lambda env: env.get(KEEPER_ENV) == scope), timeout=timeout)
 
 
 def sweep(test: Callable[[list[str]], bool], since: float | None = None, rounds: int = 100) -> int:

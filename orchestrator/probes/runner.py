@@ -1,5 +1,6 @@
 """Runs a probe or a command step in its own process group, with a hard timeout and a kept output tail;
-at its end nothing it started is left running (see marks.py)."""
+at its end nothing it started is left running (see marks.py). A step's process that may change a target root
+runs under a keeper (keeper.py), which ends it with the orchestrator and records what it changed."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ from typing import Any, Callable
 
 import psutil
 
-from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
+from orchestrator.probes import keeper as keeper_script
+from orchestrator.probes.marks import marked_env, new_mark, scope_of, sweep_mark
 
 TAIL = 4000  # characters of stdout and stderr kept with a measurement
 RESULT_SCAN = 8 << 20  # bytes at the end of stdout searched for the result line
@@ -25,6 +27,22 @@ MAX_DIGITS = 300  # digits an integer in a result line may have: any such intege
 # What a failing probe may report as its JSON "reason": a server it started that never became healthy
 # (timeout) or exited (crashed) is judged like a probe that ran out of time or died.
 REPORTED_REASONS = ("timeout", "crashed")
+KEEPER_GRACE = 120  # seconds a keeper may take, once its process ended, to record what the process changed
+
+
+@dataclass
+class Keeper:
+    """Where a keeper records the end of a step's process: the state folder, the step (its intent records' step,
+    run, plugin and root), the root, and the blob of the root's snapshot."""
+    state_dir: Path
+    record: dict
+    root: Path
+    snapshot: Path
+
+    def argv(self, argv: list[str], report: int) -> list[str]:
+        spec = {"state": str(self.state_dir), "record": self.record, "root": str(self.root),
+                "snapshot": str(self.snapshot), "report": report}
+        return [sys.executable, "-I", keeper_script.__file__, json.dumps(spec), "--", *argv]
 
 
 class UnreadableResult(ValueError):
@@ -129,12 +147,13 @@ def _tail(path: Path) -> str:
         return f.read().decode("utf-8", "replace")
 
 
-def kill_group(pid: int, pgid: int | None = None, create_time: float | None = None) -> None:
-    """Kill a process, its process group and every descendant (including ones that left the group)."""
+def kill_group(pid: int, pgid: int | None = None, create_time: float | None = None) -> bool:
+    """Kill a process, its process group and every descendant (including ones that left the group); whether the
+    process was there to kill."""
     procs = []
     try:
         p = psutil.Process(pid)
-        if create_time is None or abs(p.create_time() - create_time) < 1e-3:
+        if (create_time is None or abs(p.create_time() - create_time) < 1e-3) and p.status() != psutil.STATUS_ZOMBIE:
             procs = [p, *p.children(recursive=True)]
     except psutil.Error:
         pass
@@ -148,6 +167,7 @@ def kill_group(pid: int, pgid: int | None = None, create_time: float | None = No
             p.kill()
         except psutil.Error:
             pass
+    return bool(procs)
 
 
 def _launch_error(e: Exception, argv: list[str], cwd: Path) -> str:
@@ -163,24 +183,34 @@ def _launch_error(e: Exception, argv: list[str], cwd: Path) -> str:
 def run_process(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
                 on_start: Callable[[int, float], Callable[[], None] | None] | None = None,
                 on_tick: Callable[[float, str], None] | None = None,
-                tmp_dir: Path | None = None) -> ProcessResult:
+                tmp_dir: Path | None = None, keeper: Keeper | None = None) -> ProcessResult:
     """Run to completion or until `timeout`; whatever it leaves running is killed either way: its group, its
     descendants, and every process that inherited its mark (a double-forked daemon in a session of its own).
 
     `on_start(pid, create_time)` may return a callable run once all of them are gone. A process that
-    cannot be started gives a result with `launch_error` set, not an exception.
+    cannot be started gives a result with `launch_error` set, not an exception. Under a `keeper`, the process
+    started (and recorded) is the keeper, and the result is its command's.
     """
     mark = new_mark()
     with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="proc-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        report = os.pipe() if keeper else None
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             start = time.monotonic()
             since = time.time() - 5  # process start times are rounded to the boot time's second
             try:
-                proc = subprocess.Popen(argv_for(argv), cwd=cwd, env=marked_env(env, mark), stdout=out, stderr=err,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                if keeper:
+                    proc = subprocess.Popen(keeper.argv(argv_for(argv), report[1]), cwd=cwd, stdout=out, stderr=err,
+                                            env={**marked_env(env, mark), keeper_script.ENV: scope_of(keeper.state_dir)},
+                                            stdin=subprocess.PIPE, start_new_session=True, pass_fds=(report[1],))
+                else:
+                    proc = subprocess.Popen(argv_for(argv), cwd=cwd, env=marked_env(env, mark), stdout=out,
+                                            stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
             except (OSError, ValueError) as e:  # ValueError: a NUL byte in an argument
+                _close(report[0] if report else None)
                 return ProcessResult(None, False, 0.0, "", "", launch_error=_launch_error(e, argv, cwd))
+            finally:
+                _close(report[1] if report else None)  # the keeper holds it now
             on_end = None
             timed_out = False
             try:
@@ -201,14 +231,39 @@ def run_process(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
                         if on_tick:
                             on_tick(elapsed, _tail(out_path)[-400:] or _tail(err_path)[-400:])
             finally:
+                if keeper:  # it ends its command, records what it changed, then exits
+                    proc.stdin.close()
+                    try:
+                        proc.wait(KEEPER_GRACE)
+                    except subprocess.TimeoutExpired:
+                        pass
                 kill_group(proc.pid, proc.pid)  # on timeout, and leftovers (a server it forgot to stop)
                 proc.wait()
                 sweep_mark(mark, since)  # and what escaped the group and the tree
+                if keeper:
+                    with os.fdopen(report[0]) as f:
+                        said = f.read().splitlines()
                 if on_end:
                     on_end()
             duration = time.monotonic() - start
-        return ProcessResult(proc.returncode, timed_out, duration, _tail(out_path), _tail(err_path),
-                             *find_result(out_path))
+        returncode, launch_error = _kept(said, argv, cwd, proc.returncode) if keeper else (proc.returncode, None)
+        return ProcessResult(returncode, timed_out, duration, _tail(out_path), _tail(err_path),
+                             *find_result(out_path), launch_error=launch_error)
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def _kept(said: list[str], argv: list[str], cwd: Path, keeper_status: int | None) -> tuple[int | None, str | None]:
+    """(the command's exit status, why it could not start) from what its keeper reported."""
+    status = json.loads(said[-1]) if said else {}
+    if "returncode" in status:
+        return status["returncode"], None
+    if "errno" in status:
+        return None, _launch_error(OSError(status["errno"], status["error"]), argv, cwd)
+    return None, f"its keeper failed (exit status {keeper_status}); see its stderr"
 
 
 @dataclass

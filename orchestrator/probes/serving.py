@@ -16,7 +16,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import shlex
 import signal
 import sys

@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -87,6 +88,19 @@ def assert_consistent(root: Path, expected: dict[str, tuple]) -> None:
     assert set(now) == set(expected), (sorted(set(now) - set(expected)), sorted(set(expected) - set(now)))
     for rel, (image, mode) in expected.items():
         assert now[rel][0] == image and (mode is None or now[rel][1] == mode), (rel, now[rel], (image, mode))
+
+
+def ended(project: "Project", timeout: float) -> bool:
+    """Whether every process the project's commands started (each carries its state folder's mark) has ended, waiting
+    up to `timeout` seconds."""
+    from orchestrator.probes.marks import marked, scope_of
+    prefix = scope_of(project.state) + "."
+    deadline = time.monotonic() + timeout
+    while marked(lambda marks: any(m.startswith(prefix) for m in marks)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def set_probes(project: "Project", probes: list[dict]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from core_project import make_project, tree
+from core_project import make_project, set_probes, tree
 
 
 def wait_for(path: Path, proc, timeout: float = 60) -> str:
@@ -41,10 +41,9 @@ def test_kill_during_apply_then_recover(tmp_path):
     assert (project.target / "created-by-command.txt").exists()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not gone(step_pid, timeout=0.2)  # the command outlives the orchestrator, in its own session...
+    assert gone(step_pid)  # in a session of its own, the command still ends with the orchestrator (its keeper)
     out = project.cli("recover", check=0).stdout
     assert "kill-apply" in out and "interrupted" in out
-    assert gone(step_pid)  # ...until recover kills it by its recorded process group
     fresh = make_project(tmp_path / "fresh", plugins=[])
     assert tree(project.target) == tree(fresh.target)
     data = project.status()
@@ -98,3 +97,23 @@ def test_sigterm_rolls_back_and_records_interrupted(tmp_path):
     data = project.status()
     assert data["run"]["status"] == "interrupted"
     assert [(s["outcome"], s["reason"]) for s in data["steps"]] == [("rolled_back", "interrupted")]
+
+
+def test_recover_says_what_it_ended_when_no_step_was_open(tmp_path):
+    """Killed during the baseline's correctness probe: there is no step to roll back, but a probe to end and a run
+    to close."""
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    set_probes(project, [{"name": "correct", "role": "correctness", "timeout": 300, "command": [
+        "python", "-c", "import os, pathlib, time; "
+        "pathlib.Path(os.environ['TEST_MARKER_DIR'], 'marker-baseline').write_text(str(os.getpid())); time.sleep(120)"]}])
+    proc = project.spawn("run")
+    probe_pid = int(wait_for(project.path / "marker-baseline", proc))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    out = " ".join(project.cli("recover", check=0).stdout.split())
+    assert gone(probe_pid)
+    assert "nothing to recover" not in out
+    assert f"ended probe correct (pid {probe_pid}) of run 1" in out, out
+    assert "run 1 recorded as interrupted" in out, out
+    assert project.status()["run"]["status"] == "interrupted"
+    assert project.cli("recover", check=0).stdout.strip() == "nothing to recover"

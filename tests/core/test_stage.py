@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from core_project import MAIN_PLUGINS, make_project, tree
+from core_project import MAIN_PLUGINS, add_plugin, make_project, set_probes, tree
 from orchestrator import decide
 from orchestrator.config import load
 from orchestrator.journal import Journal
@@ -210,3 +210,36 @@ def test_interleaved_with_the_project_judge_keeps_a_clear_win(tmp_path, monkeypa
     counts = {r["arm"]: r["n"] for r in store.query(
         "SELECT arm, COUNT(*) AS n FROM measurements WHERE role = 'throughput' AND step_id IS NOT NULL GROUP BY arm")}
     assert counts["baseline"] == counts["candidate"] >= 3
+
+
+# The deployment logs every correctness check into the target; an operator leaves a note while a candidate is on disk.
+LOGGING_PROBE = """\
+import json, os, pathlib
+root = pathlib.Path(os.environ["ORCHESTRATOR_TARGET_ROOT"])
+with open(root / "deploy.log", "a") as log:
+    log.write(os.environ["ORCHESTRATOR_PLUGIN"] + "\\n")
+if os.environ["ORCHESTRATOR_PLUGIN"] != "baseline":
+    (root / "operator-notes.txt").write_text("seen\\n")
+print(json.dumps({"passed": True}))
+"""
+
+
+def test_rolling_back_a_command_step_undoes_only_what_it_changed(tmp_path):
+    project = make_project(tmp_path / "p", plugins=[])
+    (project.path / "probes" / "logging_correct.py").write_text(LOGGING_PROBE)
+    set_probes(project, [{"name": "correct", "role": "correctness", "command": ["python", "probes/logging_correct.py"],
+                          "timeout": 30},
+                         {"name": "speed", "role": "throughput", "command": ["python", "probes/speed.py"],
+                          "timeout": 30, "objective": "score"}])
+    add_plugin(project, {"id": "gen", "apply": [{"command": {"run": ["python", "-c", (
+        "import pathlib; pathlib.Path('gen').mkdir(); pathlib.Path('gen/x.txt').write_text('x'); "
+        "app = pathlib.Path('app.txt'); app.write_text(app.read_text() + '# generated\\n')")]}}]})
+    original = tree(project.target)
+    project.cli("run", check=0)
+    assert project.outcomes() == {"gen": ("rolled_back", "no_gain")}
+    log = (project.target / "deploy.log").read_bytes()
+    assert log.startswith(b"baseline\n") and b"gen\n" in log
+    assert tree(project.target) == {**original, "deploy.log": log, "operator-notes.txt": b"seen\n"}
+    detail = " ".join(project.status()["steps"][0]["detail"].split())
+    for name in ("deploy.log", "operator-notes.txt"):
+        assert name in detail, detail

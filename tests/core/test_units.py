@@ -12,7 +12,8 @@ from core_project import REPO, tree
 from orchestrator.journal import Journal
 from orchestrator.loading import ConfigError
 from orchestrator.plugin import Manifest, Plugin, Step, confine, order, substitute
-from orchestrator.steps import StepContext, StepFailed, apply_step, compute, read_disk, yaml_set
+from orchestrator.recovery import undo
+from orchestrator.steps import StepContext, StepFailed, apply_all, compute, read_disk, yaml_set
 from orchestrator.store import Store
 
 
@@ -76,15 +77,15 @@ def test_command_step_tree_snapshot_restores_everything(tmp_path):
     script = ("import os, pathlib, shutil; pathlib.Path('d/f.txt').write_text('changed'); os.remove('link'); "
               "os.chmod('keep.sh', 0o600); pathlib.Path('new/deeper').mkdir(parents=True); "
               "pathlib.Path('new/deeper/n.txt').write_text('n')")
-    apply_step(Step.model_validate({"command": {"run": ["python", "-c", script]}}), ctx)
-    apply_step(Step.model_validate({"replace": {"path": "d/f.txt", "old": "changed", "new": "again"}}), ctx)
+    apply_all([Step.model_validate({"command": {"run": ["python", "-c", script]}}),
+               Step.model_validate({"replace": {"path": "d/f.txt", "old": "changed", "new": "again"}})], ctx)
     journal.seal(step_id)
     changed = {r["path"]: (r["before"] is None, r["after"] is None) for r in store.file_rows(step_id)}
     assert changed["new/deeper/n.txt"] == (True, False) and "d/f.txt" in changed
     journal.show(step_id, "pre")
     journal.show(step_id, "post")
     assert (root / "d" / "f.txt").read_text() == "again"
-    journal.restore(step_id)
+    assert undo(store, journal, step_id) == []
     assert tree(root) == before
     assert os.readlink(root / "link") == "d/f.txt" and (root / "keep.sh").stat().st_mode & 0o777 == 0o755
 
