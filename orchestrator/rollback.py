@@ -7,7 +7,7 @@ from orchestrator.config import Project
 from orchestrator.context import open_run
 from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
-from orchestrator.images import is_blob, same
+from orchestrator.images import DIR, is_blob, same, walk
 from orchestrator.journal import Journal
 from orchestrator.plugin import Plugin
 from orchestrator.store import Store, loads
@@ -48,16 +48,22 @@ def plan_rollback(store: Store, journal: Journal, ids: set[str] | None, force: b
 
 def conflicts(store: Store, journal: Journal, todo: list[dict]) -> list[str]:
     """Paths that will not hold a plugin's post-image (mode included) when its turn comes (earlier undos in
-    `todo` counted)."""
+    `todo` counted), and what lies in a folder a plugin made that none of them recorded: removing the folder
+    would delete it."""
+    rows = {row["plugin"]: store.file_rows(row["step_id"]) for row in todo}
+    recorded = {journal.path(f) for files in rows.values() for f in files}
     expected: dict[Path, tuple] = {}
     problems = []
     for row in todo:
         changed = []
-        for f in store.file_rows(row["step_id"]):
+        for f in rows[row["plugin"]]:
             key = journal.path(f)
             now = expected[key] if key in expected else journal.current(f)
             if not same(now, (f["after"], f["after_mode"])):
                 changed.append(f["path"])
+            elif f["after"] == DIR and f["before"] is None:
+                changed += [f"{Path(f['path']) / rel} (in a folder it made)" for rel, path, _ in walk(key)
+                            if path not in recorded]
             expected[key] = (f["before"], f["before_mode"])
         if changed:
             problems.append(f"{row['plugin']}: {', '.join(changed)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from core_project import make_project, state_images, tree
+from core_project import add_plugin, make_project, state_images, tree
 
 
 def test_a_required_plugin_is_rolled_back_only_with_its_dependents(tmp_path):
@@ -62,3 +62,25 @@ def test_blobs_nothing_needs_are_collected(tmp_path):
     project.cli("rollback", "--all", check=0)  # what a rollback needs was kept
     assert state_images(project.target) == original
     assert blobs(project) == set()  # and after rollback --all nothing is needed
+
+
+def test_a_folder_a_kept_plugin_made_is_not_deleted_with_what_others_put_in_it(tmp_path):
+    """Rolling back removes the folder the plugin created, but a file someone put there since is nobody's to
+    delete: the rollback is refused naming it, the target and history unchanged; --force removes it too."""
+    project = make_project(tmp_path / "p", plugins=[])
+    add_plugin(project, {"id": "extra", "apply": [
+        {"replace": {"path": "app.txt", "old": "SPEED = 1", "new": "SPEED = 2"}},
+        {"deploy": {"src": "files/extra.txt", "dest": "new/deeper/extra.txt"}}]})
+    (project.path / "plugins" / "extra" / "files").mkdir()
+    (project.path / "plugins" / "extra" / "files" / "extra.txt").write_text("extra\n")
+    original = tree(project.target)
+    project.cli("run", check=0)
+    assert project.outcomes()["extra"][0] == "kept"
+    (project.target / "new" / "deeper" / "notes.txt").write_text("an operator's notes\n")
+    before = tree(project.target), history(project)
+    proc = project.cli("rollback", "--all", check=1)
+    message = " ".join(proc.stderr.split())
+    assert "new/deeper/notes.txt" in message and "extra" in message, message
+    assert (tree(project.target), history(project)) == before
+    project.cli("rollback", "--all", "--force", check=0)
+    assert tree(project.target) == original
