@@ -6,6 +6,7 @@ seconds; a patched file must also be read from disk, never from an already-impor
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -21,6 +22,11 @@ from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
 from orchestrator.probes.workload import Workload
 from orchestrator.targets.base import Target, TargetConfig
+from orchestrator.targets.vllm_options import DEV_MODE_ENV
+
+# vLLM's routes in development mode: level 1 moves the weights to the host's memory and drops the KV cache, so a
+# woken server serves the same weights without loading them again
+SLEEP_PATHS = ("/sleep?level=1", "/wake_up")
 
 
 class VllmWorkload(Workload):
@@ -51,6 +57,9 @@ class VllmConfig(TargetConfig):
     # of the server's own CPU time, which other processes on a shared CPU machine do not stretch)
     objective: Literal["score", "cpu_score", "output_throughput"] = "score"
     workload: VllmWorkload = Field(default_factory=VllmWorkload)
+    # auto: where the installed vLLM has sleep mode, the kept state's server lives from candidate to candidate and
+    # sleeps while another is measured (pairing "sleeping"); off: one server at a time, restarted at each switch
+    sleep: Literal["auto", "off"] = "auto"
 
     @field_validator("serve_args")
     @classmethod
@@ -140,14 +149,42 @@ class VllmTarget(Target):
     def has_server(self) -> bool:
         return True
 
+    def pairing(self) -> str:
+        """"sleeping" where the installed vLLM can put a server to sleep and wake it (read from its source) and
+        the config allows it, else "sequential": vLLM holds most of the card, so two servers are never awake
+        together."""
+        return "sleeping" if self.config.sleep == "auto" and self.sleeps else "sequential"
+
+    @functools.cached_property
+    def sleeps(self) -> bool:
+        from orchestrator.targets.vllm_options import SourceError, read
+        try:
+            return read(self.package).sleeps
+        except (SourceError, ConfigError):
+            return False
+
+    def pinnable(self, roots: set[str]) -> bool:
+        """The serve config is read at start; the package is not: vLLM imports some modules only when first used
+        (sleep mode's own, a kernel's), so a server alive while a plugin patches the package could run code of
+        two states."""
+        return roots <= {"serve"}
+
+    def sleep_paths(self) -> tuple[str, str]:
+        return SLEEP_PATHS
+
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
                     beside: str | None = None) -> LiveServer:
         """An unstarted server of the serve config as it is on disk now (a free port on 127.0.0.1),
         with the target's stop grace period and a log kept under the state folder. For a caller
         that wants one start to serve several probes: ``start()``, ``wait_healthy(startup_timeout)``,
-        then the probes of ``probes_against(server.url)``, then ``stop()``."""
-        return LiveServer(self.serve_argv(), env=env, stop_timeout=self.config.stop_timeout,
-                          log_dir=self.server_logs, log_label=label)
+        then the probes of ``probes_against(server.url)``, then ``stop()``. Beside a server it sleeps
+        with (`beside` "sleeping"), sleep mode and its routes are on (VLLM_SERVER_DEV_MODE)."""
+        argv, env = self.serve_argv(), dict(env or os.environ)
+        if beside == "sleeping":
+            argv.append("--enable-sleep-mode")
+            env[DEV_MODE_ENV] = "1"
+        return LiveServer(argv, env=env, stop_timeout=self.config.stop_timeout, log_dir=self.server_logs,
+                          log_label=label)
 
     def _server_source(self, base_url: str | None) -> list[str]:
         if base_url:
