@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator
 
@@ -30,13 +30,18 @@ SLEEP_PATHS = ("/sleep?level=1", "/wake_up")
 
 
 class VllmWorkload(Workload):
-    """The serving benchmark's load against vLLM: sized for a GPU (a minute or less per sample at the
-    seed's baseline of one sequence at a time on one H200)."""
+    """The serving benchmark's load against vLLM: the seed's, 1,000-token prompts and 200 tokens out with 128 in
+    flight (the seed sweeps 128 and 256), no shared prefix (a hybrid model caches none), in steady state: every
+    sample is 10 s at full concurrency after 3 s of ramp, whatever the state's speed (at the seed's baseline of
+    one sequence at a time a batch would take minutes)."""
 
-    num_prompts: int = Field(64, ge=1)
+    num_prompts: int = Field(128, ge=1)
     input_len: int = Field(1000, ge=1)
-    output_len: int = Field(100, ge=1)
-    max_concurrency: int = Field(64, ge=1)
+    output_len: int = Field(200, ge=1)
+    max_concurrency: int = Field(128, ge=1)
+    shared_prefix_fraction: float = Field(0.0, ge=0, lt=1)
+    duration: Optional[float] = Field(10.0, gt=0)
+    ramp: float = Field(3.0, ge=0)
 
 
 class VllmConfig(TargetConfig):

@@ -68,8 +68,20 @@ class ServeOptions:
         return f"vLLM {self.version or '(version unknown)'} at {self.package}"
 
     def missing(self, key: str) -> str | None:
-        """Why ``key`` (``name`` or ``name.field`` for a nested config) is not a serve option here, or
-        None when it is."""
+        """Why ``key`` (``name`` or ``name.field`` for a nested config, either with ``=VALUE``: a value the
+        option's type lists) is not a serve option here, or None when it is."""
+        key, eq, value = key.partition("=")
+        if (why := self._missing(key)) or not eq:
+            return why
+        name, _, sub = key.partition(".")
+        values = literal_values(self.package, normalize(name), sub)
+        if values is None:
+            return f"{self.where}: cannot read the values --{key} takes from its source"
+        if value not in values:
+            return f"{self.where}: --{key} takes no value {value!r} (it takes {', '.join(sorted(values))})"
+        return None
+
+    def _missing(self, key: str) -> str | None:
         name, _, sub = key.partition(".")
         name = normalize(name)
         if name not in self.options:
@@ -109,14 +121,50 @@ def _class_fields(tree: ast.Module, names: tuple[str, ...] | str) -> set[str]:
 
 
 def _annotated(tree: ast.Module, names: tuple[str, ...] | str) -> dict[str, str | None]:
-    """{attribute: the name of its annotation's type, when a plain name} of the classes named ``names``."""
+    """{attribute: the name of its annotation's type (`X`, `X | None`, `Optional[X]`), else None} of the classes
+    named ``names``."""
     match = (lambda n: n in names) if isinstance(names, tuple) else re.compile(names).fullmatch
     found: dict[str, str | None] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and match(node.name):
-            found.update({s.target.id: s.annotation.id if isinstance(s.annotation, ast.Name) else None
+            found.update({s.target.id: _type_name(s.annotation)
                           for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)})
     return found
+
+
+def _type_name(annotation: ast.expr) -> str | None:
+    if isinstance(annotation, ast.Name):
+        return annotation.id
+    if isinstance(annotation, ast.BinOp):  # X | None, X | str | None: the first named type
+        return _type_name(annotation.left)
+    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", None) == "Optional":
+        return _type_name(annotation.slice)
+    return None
+
+
+def literal_values(package: Path, option: str, sub: str = "") -> set[str] | None:
+    """The values an option (or its nested field ``sub``) takes where its type is a ``Literal[...]`` alias of the
+    package (``quantization: QuantizationMethods``, ``moe_backend: MoEBackend``); None where it cannot be read."""
+    if sub:
+        path, kind = option, None
+        for part in sub.split("."):
+            cls = NESTED.get(path) if path == option else kind
+            fields = _config_class_fields(package, cls) if cls else {}
+            kind, path = fields.get(part), f"{path}.{part}"
+    else:
+        kind = _annotated(_parse(package / PARSER_FILES[0]), ENGINE_ARGS).get(option.replace("-", "_"))
+    if not kind:
+        return None
+    pattern = re.compile(rf"^{re.escape(kind)}\s*=\s*Literal\[", re.M)
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if pattern.search(text):
+            for node in _parse(path).body:
+                if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [kind]
+                        and isinstance(node.value, ast.Subscript)):
+                    items = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+                    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+    return None
 
 
 def _option_literals(tree: ast.Module) -> set[str]:
@@ -253,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                    "else the vllm this Python would import)")
     sub = p.add_subparsers(dest="command", required=True)
     has = sub.add_parser("has", help="exit 0 when every KEY is a serve option, else 1 saying which is not")
-    has.add_argument("keys", nargs="+", metavar="KEY", help="e.g. max-num-seqs or compilation-config.cudagraph_mode")
+    has.add_argument("keys", nargs="+", metavar="KEY", help="e.g. max-num-seqs, compilation-config.cudagraph_mode, or "
+                     "with =VALUE a value its type lists: quantization=fp8_per_tensor")
     check = sub.add_parser("check", help="exit 0 when every key of a serve config is a serve option")
     check.add_argument("config", type=Path)
     sub.add_parser("list", help="print the options as JSON")
@@ -271,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     for why in problems:
         print(why, file=sys.stderr)
     if not problems:
-        what = "its keys are" if args.command == "check" else ", ".join("--" + normalize(k) for k in keys) + " are"
+        named = ["--" + normalize(k.partition("=")[0]) + "".join(k.partition("=")[1:]) for k in keys]
+        what = "its keys are" if args.command == "check" else ", ".join(named) + " are"
         print(f"{options.where}: {what} serve options")
     return 1 if problems else 0
 
