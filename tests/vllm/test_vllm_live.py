@@ -38,7 +38,8 @@ target:
   stop_timeout: 3
   check_timeout: 300
   server_timeout: 300
-  workload: {{num_prompts: 16, input_len: 32, output_len: 32, max_concurrency: 16}}
+  workload: {{num_prompts: 16, input_len: 32, output_len: 32, max_concurrency: 16, shared_prefix_fraction: 0.5,
+             duration: null}}  # a batch: each sample ends when its 16 requests do
   objective: cpu_score  # the server's own CPU time: other load on a shared machine does not stretch it
 plugins: plugins
 state: state
@@ -290,7 +291,7 @@ def test_sigterm_to_the_run_stops_its_server_first(tmp_path, vllm_pinned):
     (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
     run = start_run(tmp_path)
     try:
-        wait_until(lambda: any("engine.server" in p for p in left_behind(str(tmp_path))), run, "the live server")
+        wait_until(lambda: any("vllm serve" in p for p in left_behind(str(tmp_path))), run, "the live server")
         run.terminate()
         assert run.wait(60) == 1
         # the run stopped its server before it exited: nothing for a recovery to kill

@@ -28,7 +28,7 @@ standin-speed: 0.5
 """
 TARGET = {"kind": "vllm", "serve_config": "serve/serve.yaml", "startup_timeout": 60, "stop_timeout": 5,
           "check_timeout": 300, "server_timeout": 300, "objective": "score",
-          "workload": {"num_prompts": 8, "input_len": 16, "output_len": 8, "max_concurrency": 8}}
+          "workload": {"num_prompts": 8, "input_len": 16, "output_len": 8, "max_concurrency": 8, "duration": None}}
 NO_OPS = 10
 
 
