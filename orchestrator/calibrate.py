@@ -80,7 +80,8 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
         if pair_s is not None:  # a pair's switch of arm: one server sleeps, the other wakes
             pair_s += sum(switched) / (pairs * starts)
         wake = wake_spread(samples)
-    noise = Noise(within, between, df, start_s, pair_s, wake=wake[0] if wake else None, wake_p=wake[1] if wake else None)
+    spread, p, still = wake[:3] if wake else (None, None, None)
+    noise = Noise(within, between, df, start_s, pair_s, wake=spread, wake_p=p, still=still)
     summary = judged_blocks(run, prober, blocks, kept_restarted, run.project.policy)
     per_block = pairs_per_start(noise, run.project.policy.max_pairs)
     bar = run.project.policy.min_gain
@@ -89,14 +90,15 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
         simulated=simulate(noise, run.project.policy, per_block, kept_restarted),
         blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks])
     if mode == "sleeping":
-        summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "like_fresh": wakes_like_fresh(noise),
-                           "same": wake[2] if wake else 0, "woken": wake[3] if wake else 0,
+        summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "still": noise.still,
+                           "like_fresh": wakes_like_fresh(noise), "same": wake[3] if wake else 0,
+                           "woken": wake[4] if wake else 0,
                            "switch_seconds": statistics.mean(switched) if switched else None}
     calibration_id = store.add_calibration(run.run_id, objective=prober.objective, pairing=mode, starts=starts,
                                            pairs=pairs, within_sd=within, between_sd=between, between_df=df,
                                            start_seconds=start_s, pair_seconds=pair_s, summary=summary,
                                            fingerprint=fingerprint())
-    return Noise(within, between, df, start_s, pair_s, calibration_id, noise.wake, noise.wake_p)
+    return Noise(within, between, df, start_s, pair_s, calibration_id, noise.wake, noise.wake_p, noise.still)
 
 
 def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_restarted: bool,
@@ -178,7 +180,7 @@ def latest(store, objective: str | None, pairing: str) -> Noise | None:
             continue
         wake = (loads(row["summary"]) or {}).get("wake") or {}
         return Noise(row["within_sd"], row["between_sd"], row["between_df"], row["start_seconds"], row["pair_seconds"],
-                     row["id"], wake.get("spread"), wake.get("p"))
+                     row["id"], wake.get("spread"), wake.get("p"), wake.get("still"))
     return None
 
 

@@ -37,6 +37,7 @@ class Noise:
     calibration: int | None = None  # its id in the history
     wake: float | None = None  # RMS change of log(objective) a sleep and a wake make to one server (sleeping pairing)
     wake_p: float | None = None  # the chance of a `wake` this large were a wake to change nothing (an F test)
+    still: float | None = None  # sd of log(objective) from one sample to the next of a server with no sleep between
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,10 +108,11 @@ def pairs_needed(noise: Noise, bar: float, z: float = 1.96) -> int | None:
 WAKE_ALPHA = 0.05  # a wake's effect counts as shown below this p
 
 
-def wake_spread(samples: Sequence[tuple[object, int, float, float]]) -> tuple[float, float, int, int] | None:
-    """(wake, p, same, woken) from samples (server, segment, time, value): `segment` counts the server's wakes
-    before the sample. Consecutive samples of one server within a segment differ by sample noise alone (mean
-    square 2 within²); across a wake also by whatever the wake changed (mean square 2 within² + wake²). So wake² is
+def wake_spread(samples: Sequence[tuple[object, int, float, float]]
+                ) -> tuple[float, float, float, int, int] | None:
+    """(wake, p, still, same, woken) from samples (server, segment, time, value): `segment` counts the server's
+    wakes before the sample. Consecutive samples of one server within a segment differ by sample noise alone (mean
+    square 2 still²); across a wake also by whatever the wake changed (mean square 2 still² + wake²). So wake² is
     the difference of the two mean squares of log ratios (0 when negative), and their ratio is F-distributed
     (`woken`, `same` degrees of freedom) where a wake changes nothing: `p` is its upper tail. None with fewer
     than two differences of either kind."""
@@ -130,13 +132,14 @@ def wake_spread(samples: Sequence[tuple[object, int, float, float]]) -> tuple[fl
         return None
     ms_same, ms_woken = float(np.mean(same)), float(np.mean(woken))
     p = float(f_dist.sf(ms_woken / ms_same, len(woken), len(same))) if ms_same > 0 else (0.0 if ms_woken else 1.0)
-    return math.sqrt(max(0.0, ms_woken - ms_same)), p, len(same), len(woken)
+    return math.sqrt(max(0.0, ms_woken - ms_same)), p, math.sqrt(ms_same / 2), len(same), len(woken)
 
 
 def wakes_like_fresh(noise: Noise) -> bool:
-    """Whether a woken server measures like the server it was: unless the calibration showed a wake's effect
-    beyond the sample noise (p below WAKE_ALPHA) and of more than half the spread between starts, at which size a
-    wake is much like a fresh start that the judge would not count. Unmeasured: trusted."""
+    """Whether a woken server measures like the server it was: unless the calibration showed a wake's effect (p
+    below WAKE_ALPHA) larger than both the sample noise of a server that does not sleep (`still`; a smaller one
+    the pairs' own spread carries) and half the spread between starts, at which size a wake is much like a fresh
+    start that the judge would not count. Unmeasured: trusted."""
     if noise.wake is None or noise.wake_p is None or noise.wake_p >= WAKE_ALPHA:
         return True
-    return noise.wake <= noise.between / 2
+    return noise.wake <= max(noise.still or 0.0, noise.between / 2)

@@ -53,7 +53,8 @@ class StateServer:
 
     def __init__(self, run: RunContext, pinned: str | None = None):
         self.run = run
-        # how a pinned server lives beside another state's (Target.pairing): "coresident" or "simultaneous"
+        # how a pinned server lives beside another state's (Target.pairing): "coresident", "sleeping" or
+        # "simultaneous"
         self.pinned = pinned
         self.target = run.project.target
         # the target's own probes that talk to its server; a user's probe says so itself (ProbeSpec.server)

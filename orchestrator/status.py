@@ -135,8 +135,9 @@ def wake_line(wake: dict[str, Any]) -> str:
     seconds = f" (a sleep or wake takes {wake['switch_seconds']:.1f} s)" if wake.get("switch_seconds") else ""
     verdict = ("woken servers measure like the servers they were" if wake.get("like_fresh") else
                "woken servers do NOT measure like the servers they were: runs restart servers instead")
+    still = f", {wake['still']:.2%} from one sample to the next without one" if wake.get("still") is not None else ""
     return (f"  a wake moves a server by {wake['spread']:.2%} RMS (p = {wake.get('p', 1):.3f}; {wake.get('woken')} "
-            f"differences across a wake, {wake.get('same')} within one){seconds}: {verdict}")
+            f"differences across a wake, {wake.get('same')} within one{still}){seconds}: {verdict}")
 
 
 def _or_more(n: int | None) -> str:

@@ -59,8 +59,8 @@ def main(argv: list[str]) -> int:
     d = decide.Judge(policy).decide([s["score"] for s in samples["defaults"]], [s["score"] for s in samples["kept"]],
                                     final=True)
     (work / "compare.json").write_text(json.dumps({"samples": samples, "decision": d.to_dict()}))
-    rows = ["| serve config | start | score | output tok/s | total tok/s | mean TPOT ms | median TTFT ms | duration s |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| serve config | start | score | output tok/s | total tok/s | mean TPOT ms | median TTFT ms "
+            "| duration s |", "|---|---|---|---|---|---|---|---|"]
     for name, arm in samples.items():
         rows += [f"| {name} | {i + 1} | {s['score']:,.0f} | {s['output_throughput']:,.1f} | "
                  f"{s['total_token_throughput']:,.1f} | {s['mean_tpot_ms']:.1f} | {s['median_ttft_ms']:,.0f} | "

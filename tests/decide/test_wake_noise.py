@@ -31,21 +31,23 @@ def samples(wake_sd: float, seed: int, servers: int = 4, segments: int = 4, per_
 def test_a_wake_that_changes_nothing_is_trusted():
     trusted = 0
     for seed in range(20):
-        wake, p, same, woken = wake_spread(samples(0.0, seed))
+        wake, p, still, same, woken = wake_spread(samples(0.0, seed))
         assert (same, woken) == (16, 12)
-        assert wake < 2 * WITHIN
-        trusted += wakes_like_fresh(Noise(WITHIN, BETWEEN, 3, wake=wake, wake_p=p))
+        assert wake < 2 * WITHIN and WITHIN / 2 < still < 2 * WITHIN
+        trusted += wakes_like_fresh(Noise(WITHIN, BETWEEN, 3, wake=wake, wake_p=p, still=still))
     assert trusted >= 19
 
 
 def test_a_wake_that_moves_a_server_like_a_start_is_not():
     for seed in range(20):
-        wake, p, _, _ = wake_spread(samples(BETWEEN * math.sqrt(2), seed))
-        assert p < 0.05 and wake > BETWEEN / 2, (seed, wake, p)
-        assert not wakes_like_fresh(Noise(WITHIN, BETWEEN, 3, wake=wake, wake_p=p))
-    # the same wake, small against the spread between starts of another target, is no reason to restart
-    wake, p, _, _ = wake_spread(samples(BETWEEN * math.sqrt(2), 0))
-    assert wakes_like_fresh(Noise(WITHIN, 4 * BETWEEN, 3, wake=wake, wake_p=p))
+        wake, p, still, _, _ = wake_spread(samples(BETWEEN * math.sqrt(2), seed))
+        assert p < 0.05 and wake > max(still, BETWEEN / 2), (seed, wake, p)
+        assert not wakes_like_fresh(Noise(WITHIN, BETWEEN, 3, wake=wake, wake_p=p, still=still))
+    # the same wake is no reason to restart where it is small against the spread between starts, or against the
+    # noise from one sample to the next (which the pairs' own spread carries)
+    wake, p, still, _, _ = wake_spread(samples(BETWEEN * math.sqrt(2), 0))
+    assert wakes_like_fresh(Noise(WITHIN, 4 * BETWEEN, 3, wake=wake, wake_p=p, still=still))
+    assert wakes_like_fresh(Noise(WITHIN, BETWEEN, 3, wake=wake, wake_p=p, still=4 * BETWEEN))
 
 
 def test_too_few_samples_tell_nothing_and_are_trusted():

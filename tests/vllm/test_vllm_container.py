@@ -71,7 +71,8 @@ def test_first_start_writes_configs_stages_then_serves(box):
     # staged as the H200 runs are: the seed's workload in steady state, sleep mode where the image's vLLM has it,
     # an A/A calibration first and every decision judged by an interval
     workload = project.target.config.workload
-    assert (workload.max_concurrency, workload.input_len, workload.output_len, workload.duration) == (128, 1000, 200, 10)
+    assert (workload.max_concurrency, workload.input_len, workload.output_len, workload.duration) == \
+        (128, 1000, 200, 10)
     assert project.target.config.sleep == "auto"
     assert project.policy.rule == "stat" and project.policy.calibrate.starts == 3
 

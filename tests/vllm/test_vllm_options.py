@@ -97,7 +97,8 @@ def test_sleep_mode_nested_fields_and_values(vllm_pinned, vllm_newest, tmp_path)
     assert pinned.missing(key).endswith("--compilation-config.pass_config has no field 'enable_qk_norm_rope_fusion'")
     assert newest.missing("compilation-config.inductor_compile_config.max_autotune") is None  # a free-form mapping
     assert newest.missing("kernel-config.moe_backend=flashinfer_cutlass") is None
-    assert "--kernel-config.moe_backend takes no value 'cutlass_x'" in newest.missing("kernel-config.moe_backend=cutlass_x")
+    assert "--kernel-config.moe_backend takes no value 'cutlass_x'" in \
+        newest.missing("kernel-config.moe_backend=cutlass_x")
     assert "has no serve option --kernel-config" in pinned.missing("kernel-config.moe_backend=flashinfer_cutlass")
     assert newest.missing("quantization=fp8_per_tensor") is None and pinned.missing("quantization=fp8") is None
     assert "--quantization takes no value 'fp8_per_tensor'" in pinned.missing("quantization=fp8_per_tensor")
