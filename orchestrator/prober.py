@@ -246,7 +246,7 @@ class Prober:
                 out = self.probe(check, step_id, arm, label, repeat, plugin)
                 if not out.ok:
                     raise ArmFailed(out.reason or "incorrect", f"{label} arm, probe {check.name} on its server "
-                                    f"woken for the first time: {failure(out)}", check, out)
+                                    f"(after its start or its first wake): {failure(out)}", check, out)
 
     def configuration_of(self, step_id: int | None, arm: Arm, label: str, plugin: str
                          ) -> tuple[dict[str, dict], tuple[ProbeSpec, ProbeResult] | None]:
