@@ -80,7 +80,7 @@ print('python', __import__('sys').version.split()[0], 'torch', torch.__version__
 case ${1:-} in
     stage)
         part=${2:-}
-        [[ -n ${PARTS[$part]:-} ]] || die "stage PART: one of ${!PARTS[*]}"
+        [[ -n ${PARTS[$part]:-} ]] || die "stage PART: one of $(printf "%s " "${!PARTS[@]}" | tr " " "\n" | sort | xargs)"
         shift 2
         alive "$WORK/run.pid" && die "a run is going (pid $(cat "$WORK/run.pid")): poll with 'run.sh status'"
         setup
