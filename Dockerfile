@@ -1,7 +1,9 @@
 # The orchestrator on an official vLLM image: at start it stages the shipped optimizations on the
 # image's vLLM, judging each on a live `vllm serve` of the candidate (greedy outputs against the
-# baseline's, then the serving benchmark), keeps what measures faster, and serves the kept
-# configuration (docker/entrypoint.sh).
+# baseline's, then the seed's workload in steady state) against the kept configuration's server, which
+# sleeps meanwhile where the image's vLLM has sleep mode, after an A/A calibration of the baseline; it
+# keeps what measures faster by an interval clear of the bar, and serves the kept configuration
+# (docker/entrypoint.sh writes that policy on the first start).
 ARG BASE_IMAGE=vllm/vllm-openai:v0.10.2
 FROM ${BASE_IMAGE}
 

@@ -43,13 +43,25 @@ for a in sys.argv[1:]:
 print(json.dumps(out))' "$@")
     cat > "$config.tmp" <<YAML
 # Written on first start; edit probes and policy here (docs/vllm.md).
-# Each plugin is judged on a live \`vllm serve\` of the candidate config: greedy outputs, then the benchmark.
+# Each plugin is judged on live \`vllm serve\` servers of the candidate and the kept configuration: greedy
+# outputs, then the seed's workload (128 requests of 1,000 tokens in flight, 200 out, 10 s of steady state a
+# sample: the target's default). Where the image's vLLM has sleep mode the kept configuration's server sleeps
+# while a candidate's is measured (sleep: auto), and the calibration says whether woken servers measure as
+# they did.
 target:
   kind: vllm
   serve_config: serve/serve.yaml
   serve_args: $serve_args
 plugins: $home/optimizations
 state: .
+policy:
+  # an A/A calibration first (three fresh servers, two pairs each), then every decision judged by an interval
+  # that counts the start effects it found
+  min_gain: 0.03
+  repeats: 1
+  min_pairs: 2
+  max_pairs: 4
+  calibrate: {starts: 3, pairs: 2}
 YAML
     mv "$config.tmp" "$config"
 fi

@@ -8,7 +8,10 @@ keeps one alive, else each block has fresh servers on both sides. Each block is 
 (leave one out, so that no block judges itself). From all blocks: the spread of log(objective) within a start
 and between starts (noise.components), the pairs a block should take (noise.pairs_per_start), the starts and
 pairs a change of no effect needs before its interval lies inside the bar, and the false-keep rate of the
-judge's rule under that noise, simulated with and without counting the start effects.
+judge's rule under that noise, simulated with and without counting the start effects. Where the servers sleep
+and wake between their samples (the sleeping pairing), also how much a wake moves a server (noise.wake_spread) and
+whether woken servers may stand in for fresh ones (noise.wakes_like_fresh); the mean sleep and wake time of a
+pair is counted in its time.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import numpy as np
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.kept import KeptState
-from orchestrator.noise import Noise, components, pairs_needed, pairs_per_start, starts_needed
+from orchestrator.noise import (Noise, components, pairs_needed, pairs_per_start, starts_needed, wake_spread,
+                                wakes_like_fresh)
 from orchestrator.pairing import Together, choose
 from orchestrator.policy import Policy
 from orchestrator.prober import Arm, Prober, fingerprint
@@ -46,6 +50,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     mode = pairing.mode
     kept.arm.show = None
     blocks: list[dict[str, Any]] = []
+    samples: list[tuple[object, int, float, float]] = []  # (server, segment, time, value) of every judged sample
     for j in range(starts):
         step_id = store.new_step(run.run_id, label(j), "measuring", kind=KIND, objective=prober.objective)
         cand = Arm(list(kept.arm.holding))
@@ -60,14 +65,23 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                 cand.server.stop()
             prober.release()
         logs = [math.log(c.value / b.value) for b, c in zip(verdict.base, verdict.cand)]
+        samples += [(x.server, x.segment, x.at, x.value) for x in (*verdict.base, *verdict.cand)]
         blocks.append({"step": step_id, "logs": logs, "finished": time.time(), "base": [s.value for s in verdict.base],
                        "cand": [s.value for s in verdict.cand],
                        "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)]})
     kept.arm.show = None
     kept_restarted = mode in ("simultaneous", "sequential")
     within, between, df = components([b["logs"] for b in blocks], kept_restarted)
-    start_s, pair_s = costs(store, run.run_id, [b["step"] for b in blocks])
-    noise = Noise(within, between, df, start_s, pair_s)
+    steps = [b["step"] for b in blocks]
+    start_s, pair_s = costs(store, run.run_id, steps)
+    wake = None
+    if mode == "sleeping":
+        switched = [seconds for server in run.sleepers for step, _, seconds in server.switches if step in steps]
+        if pair_s is not None:  # a pair's switch of arm: one server sleeps, the other wakes
+            pair_s += sum(switched) / (pairs * starts)
+        wake = wake_spread(samples)
+    spread, p, still = wake[:3] if wake else (None, None, None)
+    noise = Noise(within, between, df, start_s, pair_s, wake=spread, wake_p=p, still=still)
     summary = judged_blocks(run, prober, blocks, kept_restarted, run.project.policy)
     per_block = pairs_per_start(noise, run.project.policy.max_pairs)
     bar = run.project.policy.min_gain
@@ -75,11 +89,16 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
         pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
         simulated=simulate(noise, run.project.policy, per_block, kept_restarted),
         blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks])
+    if mode == "sleeping":
+        summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "still": noise.still,
+                           "like_fresh": wakes_like_fresh(noise), "same": wake[3] if wake else 0,
+                           "woken": wake[4] if wake else 0,
+                           "switch_seconds": statistics.mean(switched) if switched else None}
     calibration_id = store.add_calibration(run.run_id, objective=prober.objective, pairing=mode, starts=starts,
                                            pairs=pairs, within_sd=within, between_sd=between, between_df=df,
                                            start_seconds=start_s, pair_seconds=pair_s, summary=summary,
                                            fingerprint=fingerprint())
-    return Noise(within, between, df, start_s, pair_s, calibration_id)
+    return Noise(within, between, df, start_s, pair_s, calibration_id, noise.wake, noise.wake_p, noise.still)
 
 
 def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_restarted: bool,
@@ -159,8 +178,9 @@ def latest(store, objective: str | None, pairing: str) -> Noise | None:
         recorded = loads(row["fingerprint"])
         if recorded and is_stale(recorded, current):
             continue
+        wake = (loads(row["summary"]) or {}).get("wake") or {}
         return Noise(row["within_sd"], row["between_sd"], row["between_df"], row["start_seconds"], row["pair_seconds"],
-                     row["id"])
+                     row["id"], wake.get("spread"), wake.get("p"), wake.get("still"))
     return None
 
 

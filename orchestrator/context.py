@@ -40,6 +40,11 @@ class RunContext:
     journal: Journal
     run_id: int
     reporter: Reporter = field(default_factory=Reporter)
+    # how this run pairs samples: the target's way (Target.pairing), until the run finds that a woken server does
+    # not measure like a fresh one and restarts servers instead (loop.py)
+    pairing: str = "sequential"
+    # the live servers of the "sleeping" pairing, one awake at a time (state_server.py)
+    sleepers: list = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -91,6 +96,6 @@ def open_run(project: Project, store: Store, journal: Journal, command: str,
              reporter: Reporter | None = None) -> RunContext:
     """Record a new run of `command` (`run`, `rollback`) and return its context."""
     run_id = store.start_run(command, str(project.source or "<embedded default>"), project.target.kind)
-    run = RunContext(project, store, journal, run_id, reporter or Reporter())
+    run = RunContext(project, store, journal, run_id, reporter or Reporter(), project.target.pairing())
     run.tmp.mkdir(parents=True, exist_ok=True)
     return run

@@ -8,12 +8,13 @@ import gc
 
 from orchestrator.calibrate import calibrate, latest
 from orchestrator.config import Project
-from orchestrator.context import Reporter, open_run
+from orchestrator.context import Reporter, RunContext, open_run
 from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
 from orchestrator.failures import describe, is_environment
 from orchestrator.journal import Journal
 from orchestrator.kept import KeptState
+from orchestrator.noise import Noise, wakes_like_fresh
 from orchestrator.plugin import Plugin
 from orchestrator.prober import BaselineFailed, EnvironmentFailed, Prober
 from orchestrator.recovery import recover
@@ -44,7 +45,8 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
     prober = Prober(ctx, plugins)
     deployment = Deployment(store, journal)
     kept = KeptState.of(list(deployment.rows()))
-    noise = latest(store, prober.objective, project.target.pairing()) if prober.throughput else None
+    noise = sleep_or_restart(ctx, prober.objective, latest(store, prober.objective, ctx.pairing)) \
+        if prober.throughput else None
     stager = Stager(ctx, prober, kept, deployment, noise)
     restack = Restack(ctx, prober, kept, deployment, plugins, noise)
     try:
@@ -58,8 +60,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                                                                        or (skip and p.id in skip)) and p.id not in earlier})
                 stager.baseline()
                 if noise is None and project.policy.calibrate and prober.throughput:
-                    stager.noise = restack.noise = calibrate(ctx, prober, kept, project.policy.calibrate.starts,
-                                                             project.policy.calibrate.pairs)
+                    stager.noise = restack.noise = calibrated(ctx, prober, kept)
                 for plugin in plugins:
                     if (only and plugin.id not in only) or (skip and plugin.id in skip):
                         continue
@@ -89,6 +90,33 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
     store.finish_run(ctx.run_id, "finished")
     journal.settle()
     return ctx.run_id
+
+
+def calibrated(ctx: RunContext, prober: Prober, kept: KeptState) -> Noise:
+    """An A/A calibration of the baseline in the run's pairing; where it finds that woken servers do not measure
+    like fresh ones, the run restarts servers instead, judged by a calibration of that (taken now if none is)."""
+    policy = ctx.project.policy
+    noise = calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs)
+    restart = sleep_or_restart(ctx, prober.objective, noise)
+    if restart is noise:
+        return noise
+    kept.release()  # the sleeping pairing's server: the kept state's is started anew where it is needed
+    return restart or calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs)
+
+
+def sleep_or_restart(ctx: RunContext, objective: str | None, noise: Noise | None) -> Noise | None:
+    """The noise to judge by. A calibration of the sleeping pairing in which a wake moved a server more than
+    `wakes_like_fresh` allows turns the run to restarting servers: it says so, and the noise is then the newest
+    calibration of that pairing here, if any."""
+    if ctx.pairing != "sleeping" or noise is None or wakes_like_fresh(noise):
+        return noise
+    ctx.store.event(ctx.run_id, "warning", f"woken servers do not measure like the servers they were: a wake moved "
+                    f"log({objective}) by {noise.wake:.2%} (RMS) against {noise.within:.2%} within a server's life "
+                    f"and {noise.between:.2%} between starts (calibration {noise.calibration}); servers are "
+                    "restarted at each switch of arm instead")
+    ctx.pairing = "sequential"
+    ctx.sleepers.clear()
+    return latest(ctx.store, objective, ctx.pairing)
 
 
 def stopped(store: Store, journal: Journal, run_id: int, error: Exception) -> None:

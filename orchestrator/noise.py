@@ -9,7 +9,14 @@ Pairs taken on the same two servers cancel drift, but not the two servers' start
 they take, their difference stays in every pair. So a decision on one start per arm carries `between` in full,
 and only more starts shrink it. `orchestrator calibrate` measures both levels with an A/A test of one state
 (calibrate.py); the judge widens its interval by the start effects the pairs carry (decide.py), and
-`pairs_per_start` says when fresh servers pay for themselves. Pure functions, no I/O.
+`pairs_per_start` says when fresh servers pay for themselves.
+
+Where servers sleep and wake between their samples (the "sleeping" pairing: one GPU, the kept state's server kept
+from candidate to candidate), a wake may move a server's level too. Its spread (`wake`) is measured from the
+calibration's samples: consecutive samples of one server with a sleep between them against consecutive ones
+without (`wake_spread`). A wake that moves a server about as much as a fresh start would is no cheaper than a
+restart and breaks the judge's model of one start effect per server: `wakes_like_fresh` says whether the run may
+sleep. Pure functions, no I/O.
 """
 from __future__ import annotations
 
@@ -28,6 +35,9 @@ class Noise:
     start_seconds: float | None = None  # mean time from a server's start to its first answer
     pair_seconds: float | None = None  # mean time of a pair of samples
     calibration: int | None = None  # its id in the history
+    wake: float | None = None  # RMS change of log(objective) a sleep and a wake make to one server (sleeping pairing)
+    wake_p: float | None = None  # the chance of a `wake` this large were a wake to change nothing (an F test)
+    still: float | None = None  # sd of log(objective) from one sample to the next of a server with no sleep between
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,3 +103,43 @@ def pairs_needed(noise: Noise, bar: float, z: float = 1.96) -> int | None:
         return 2
     n = math.ceil(2 * noise.within ** 2 / target ** 2)
     return max(2, n) if n <= 100 else None
+
+
+WAKE_ALPHA = 0.05  # a wake's effect counts as shown below this p
+
+
+def wake_spread(samples: Sequence[tuple[object, int, float, float]]
+                ) -> tuple[float, float, float, int, int] | None:
+    """(wake, p, still, same, woken) from samples (server, segment, time, value): `segment` counts the server's
+    wakes before the sample. Consecutive samples of one server within a segment differ by sample noise alone (mean
+    square 2 still²); across a wake also by whatever the wake changed (mean square 2 still² + wake²). So wake² is
+    the difference of the two mean squares of log ratios (0 when negative), and their ratio is F-distributed
+    (`woken`, `same` degrees of freedom) where a wake changes nothing: `p` is its upper tail. None with fewer
+    than two differences of either kind."""
+    from scipy.stats import f as f_dist
+
+    by_server: dict[object, list[tuple[float, int, float]]] = {}
+    for server, segment, at, value in samples:
+        if value and value > 0:
+            by_server.setdefault(server, []).append((at, segment, value))
+    same: list[float] = []
+    woken: list[float] = []
+    for seq in by_server.values():
+        seq.sort()
+        for (_, s0, v0), (_, s1, v1) in zip(seq, seq[1:]):
+            (same if s0 == s1 else woken).append(math.log(v1 / v0) ** 2)
+    if len(same) < 2 or len(woken) < 2:
+        return None
+    ms_same, ms_woken = float(np.mean(same)), float(np.mean(woken))
+    p = float(f_dist.sf(ms_woken / ms_same, len(woken), len(same))) if ms_same > 0 else (0.0 if ms_woken else 1.0)
+    return math.sqrt(max(0.0, ms_woken - ms_same)), p, math.sqrt(ms_same / 2), len(same), len(woken)
+
+
+def wakes_like_fresh(noise: Noise) -> bool:
+    """Whether a woken server measures like the server it was: unless the calibration showed a wake's effect (p
+    below WAKE_ALPHA) larger than both the sample noise of a server that does not sleep (`still`; a smaller one
+    the pairs' own spread carries) and half the spread between starts, at which size a wake is much like a fresh
+    start that the judge would not count. Unmeasured: trusted."""
+    if noise.wake is None or noise.wake_p is None or noise.wake_p >= WAKE_ALPHA:
+        return True
+    return noise.wake <= max(noise.still or 0.0, noise.between / 2)

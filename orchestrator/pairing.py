@@ -7,9 +7,12 @@ the judge decides.
 - `Together`: each arm has a live server of its own, started on its state and alive for the whole block of
   pairs, pinned (it has read its state, so it serves that state whatever is on disk). `coresident`: sampled one
   after the other in the same C B, B C order (one GPU); the kept state's server stays alive from one candidate
-  to the next. `simultaneous`: both samples of a pair measured at once from one agreed instant (START_AT_ENV),
-  both servers on one core while the probes run on the others (Target.probe_cpus): the OS interleaves them every
-  few milliseconds, so a core whose speed drifts by 10-20% within seconds slows both alike.
+  to the next. `sleeping`: as coresident, but only one awake at a time (state_server.py): the one not sampled
+  sleeps, so each switch of arm costs a sleep and a wake instead of a server start (vLLM on one GPU, which holds
+  most of the card). `simultaneous`: both samples of a pair measured at once from one agreed instant
+  (START_AT_ENV), both servers on one core while the probes run on the others (Target.probe_cpus): the OS
+  interleaves them every few milliseconds, so a core whose speed drifts by 10-20% within seconds slows both
+  alike.
 - `Reused`: `interleave: false`: the kept state's samples reused as the baseline arm, the candidate's taken one
   after the other (Welch's interval).
 
@@ -293,7 +296,7 @@ def choose(prober: Prober, policy: Policy, noise: Noise | None, kept_samples: li
     server the arms could each have."""
     if not policy.interleave:
         return Reused(prober, policy, kept_samples)
-    mode = prober.run.project.target.pairing()
+    mode = prober.run.pairing
     if mode == "sequential" or one_at_a_time or not any(prober.serves(s) for s in prober.throughput):
         return Sequential(prober, policy, noise)
     return Together(prober, policy, noise, mode)

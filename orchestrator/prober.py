@@ -13,7 +13,7 @@ from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.plugin import NUMERICS_ENV, Plugin, numerics_env
 from orchestrator.probes.runner import ProbeResult, ProcessResult, judge_output, run_process
-from orchestrator.state_server import ServerFailed, StateServer
+from orchestrator.state_server import ServerFailed, StateServer, hush
 from orchestrator.store import dumps
 
 # A throughput sample's pair index (its `repeat`), for probes: the serving probe offsets its workload's seed by
@@ -51,6 +51,8 @@ class Sample:
     value: float
     metrics: dict[str, Any]
     server: int | None = None  # the live server that served it (its processes row), or None
+    segment: int = 0  # the times that server had been woken before it (a sleeping pairing's servers)
+    at: float = 0.0  # when it ended (seconds since the epoch)
 
 
 @dataclass(eq=False)
@@ -165,6 +167,7 @@ class Prober:
             self.run.reporter.phase(plugin, f"probe {spec.name} ({label} #{repeat + 1})")
         else:
             self.disk.stop()  # the probe may need the device to itself
+            hush(self.run, step_id)
         on_start = self.run.recorder(step_id)
         result = run_process(command, self.run.project.base_dir, env, spec.timeout,
                              on_start=lambda pid, ct: on_start(f"probe {spec.name}", pid, ct),
@@ -177,6 +180,8 @@ class Prober:
         stopped (a server that misbehaved is not reused: the next probe starts another)."""
         out = judge_output(spec.role, spec.objective, result, spec.timeout)
         served = server.start_id if server.serves(spec) and server.up else None
+        if out.ok and spec.role == "correctness" and served is not None:
+            server.unchecked.discard(spec.name)
         if not out.ok and server.serves(spec):
             if crash := server.crashed():
                 out.reason, out.message = "crashed", f"{out.message}; {crash}"
@@ -210,6 +215,8 @@ class Prober:
         metrics: dict[str, Any] = {}
         value, served = None, None
         server = self.server_of(arm)
+        if server.up:
+            self.woken(step_id, arm, label, repeat, plugin, server)
         fresh = {WARMUP_ENV: "1"} if not server.up or server.samples == 0 else {}
         for spec in self.throughput:
             out = self.probe(spec, step_id, arm, label, repeat, plugin, {**fresh, **(extra_env or {})})
@@ -221,7 +228,25 @@ class Prober:
                 value, served = out.value, out.server
         if server.up:
             server.samples += 1
-        return Sample(value, metrics, served)
+        return Sample(value, metrics, served, server.wakes, time.time())
+
+    def woken(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer) -> None:
+        """The arm's live server awake (every other asleep, where the run pairs by sleeping), and the correctness
+        probes it owes passed (once after its start, once after its first wake); ArmFailed otherwise."""
+        spec = self.throughput[0]
+        started = time.monotonic()
+        try:
+            server.rouse(step_id)
+        except ServerFailed as e:
+            out = self.server_failed(spec, e, step_id, label, repeat, time.monotonic() - started)
+            raise ArmFailed(out.reason or "crashed", f"{label} arm, probe {spec.name}: {failure(out)}", spec,
+                            out) from None
+        for check in self.correctness:
+            if check.name in server.unchecked:
+                out = self.probe(check, step_id, arm, label, repeat, plugin)
+                if not out.ok:
+                    raise ArmFailed(out.reason or "incorrect", f"{label} arm, probe {check.name} on its server "
+                                    f"(after its start or its first wake): {failure(out)}", check, out)
 
     def configuration_of(self, step_id: int | None, arm: Arm, label: str, plugin: str
                          ) -> tuple[dict[str, dict], tuple[ProbeSpec, ProbeResult] | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import re
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
 from orchestrator.fingerprint import environment
+from orchestrator.status import wake_line
 from orchestrator.store import Reader, label, loads
 
 
@@ -45,6 +47,11 @@ class Stage:
 
     starts: list[float] = field(default_factory=list)  # seconds each live server started in it took to answer
     sampled: list[float] = field(default_factory=list)  # seconds of each throughput sample
+    switched: list[float] = field(default_factory=list)  # seconds of each sleep or wake of a live server
+
+
+SWITCHES = ("server_slept", "server_woken")  # the events of a sleeping pairing's switches (state_server.py)
+SECONDS = re.compile(r" in ([0-9.]+) s$")  # how long one took, at the end of its message
 
 
 def _objective_samples(rows: list[dict]) -> dict[str, list[float]]:
@@ -68,6 +75,7 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
         decisions = store.decisions_for(s["id"] for s in steps)
         servers = store.servers(run_id)
         calibration = store.calibration_of(run_id)
+        switches = store.events(run_id, SWITCHES)
         stages, objective = [], None
         for step in steps:
             row = decisions.get(step["id"])
@@ -79,7 +87,9 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
                           starts=[p["ready"] - p["started"] for p in servers if p["step_id"] == step["id"]
                                   and p.get("ready")],
                           sampled=[m["duration"] for m in measurements if m["role"] == "throughput"
-                                   and m["duration"] is not None])
+                                   and m["duration"] is not None],
+                          switched=[float(found.group(1)) for e in switches if e["step_id"] == step["id"]
+                                    and (found := SECONDS.search(e["message"] or ""))])
             if row is not None:
                 stage.decision = loads(row["decision"]) or {k: row[k] for k in row}
                 stage.vetoes = loads(row["vetoes"]) or []
@@ -214,6 +224,8 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
                 f"- pairs per start: {summary.get('pairs_per_start')}; to show a change of no effect below the bar: "
                 f"{summary.get('pairs_needed') or 'over 100'} pairs on one pair of servers (sample noise only), "
                 f"{summary.get('starts_needed') or 'over 100'} starts"]
+        if wake := summary.get("wake"):
+            out.append(f"- {wake_line(wake).strip()}")
     out += ["",
             f"![each decision's gain in {objective or 'the objective'}]({chart_name})", "",
             "Each row: a decision's gain with its interval (the A/A blocks of a calibration, too); the dashed line "
@@ -250,7 +262,9 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
             out.append(f"- {arm} samples: " + ", ".join(_num(v) for v in values))
         if s.duration is not None:
             out.append(f"- took {s.duration:.1f} s" + (f": {len(s.starts)} server start(s), {sum(s.starts):.1f} s; "
-                                                       f"{len(s.sampled)} sample(s), {sum(s.sampled):.1f} s"
+                                                       + (f"{len(s.switched)} sleep(s) and wake(s), "
+                                                          f"{sum(s.switched):.1f} s; " if s.switched else "")
+                                                       + f"{len(s.sampled)} sample(s), {sum(s.sampled):.1f} s"
                                                        if s.starts or s.sampled else ""))
         if s.outcome == "kept" and s.fingerprint is not None and fp.is_stale(s.fingerprint, current):
             out.append(f"- stale: measured under another environment ({fp.describe(s.fingerprint, current)})")

@@ -59,13 +59,15 @@ class Restack:
         cand.holding, cand.show = deployed, lambda: self.journal.show(step_id, "pre")
         base = Arm([p for p in deployed if p not in without], lambda: self.journal.show(step_id, "post"))
         try:
-            one_at_a_time = False
+            one_at_a_time = not self.run.project.target.pinnable({f["root"] for f in self.store.file_rows(step_id)})
+            if one_at_a_time:
+                self.kept.release()  # its server would outlive its files (Target.pinnable)
             keys = self.run.project.target.memory_keys()
             if keys and self.prober.configuration and self.kept.configuration is not None:
                 base.put_on_disk()
                 read, failed = self.prober.configuration_of(step_id, base, "baseline", name)
                 cand.put_on_disk()
-                one_at_a_time = failed is not None or self.kept.memory_changed(read, keys)
+                one_at_a_time = one_at_a_time or failed is not None or self.kept.memory_changed(read, keys)
             pairing = choose(self.prober, policy, self.noise, None, one_at_a_time)
             if pairing.mode == "sequential":
                 self.kept.release()

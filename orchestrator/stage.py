@@ -97,8 +97,8 @@ class Stager:
         pairing keeps one); BaselineFailed when a sample cannot be taken."""
         arm = self.kept.arm
         arm.holding, arm.show = list(self.deployment.rows()), None
-        if self.run.project.target.pairing() != "sequential" and any(self.prober.serves(s) for s in self.prober.throughput):
-            arm.server = StateServer(self.run, pinned=self.run.project.target.pairing())
+        if self.run.pairing != "sequential" and any(self.prober.serves(s) for s in self.prober.throughput):
+            arm.server = StateServer(self.run, pinned=self.run.pairing)
         if self.prober.configuration:
             read, failed = self.prober.configuration_of(None, arm, "baseline", "baseline")
             if failed:
@@ -248,6 +248,11 @@ class Stager:
     def judge(self, plugin: Plugin, variant: Variant, cand: Arm) -> Candidate | None:
         name = plugin.id + (f" [{variant.label}]" if variant.params else "")
         kind = self.run.kind
+        target = self.run.project.target
+        first_root = next(iter(target.roots))
+        pinnable = target.pinnable({s.root or first_root for s in variant.apply if s.runs_on(kind)})
+        if not pinnable:
+            self.kept.release()  # its server would outlive its files (Target.pinnable)
         step_id = self.store.new_step(self.run.run_id, plugin.id, "applying", params=variant.params, image="post",
                                       objective=self.prober.objective)
         policy = self.run.project.policy.merged(plugin.manifest.accept)
@@ -271,7 +276,7 @@ class Stager:
         base.holding, base.show = kept_ids, lambda: self.journal.show(step_id, "pre")
         cand.holding, cand.show = [*kept_ids, plugin.id], lambda: self.journal.show(step_id, "post")
         read: dict | None = None
-        pinned = self.run.project.target.pairing()
+        pinned = self.run.pairing
         if (pinned == "coresident" and self.prober.configuration and self.run.project.policy.interleave
                 and any(self.prober.serves(s) for s in self.prober.throughput)):
             # the candidate's own server starts while its configuration probe runs (a start costs seconds on a
@@ -294,7 +299,7 @@ class Stager:
                                       f"runs what {other} ran (step {other_step}; the configuration probes read the "
                                       f"same), which was rolled back as {reason} against this same kept state: not "
                                       "measured again")
-        one_at_a_time = read is not None and self.kept.memory_changed(read, self.run.project.target.memory_keys())
+        one_at_a_time = not pinnable or (read is not None and self.kept.memory_changed(read, target.memory_keys()))
         pairing = choose(self.prober, policy, self.noise, self.kept.samples, one_at_a_time)
         if isinstance(pairing, Together):
             if cand.server is None or cand.server.pinned != pairing.mode:

@@ -16,6 +16,15 @@ user's probe that says ``server: true``), aims that probe and every later one of
 - either: after a probe that talked to it failed (a server that misbehaved is not reused), and however a
   run ends.
 
+Where the run pairs by sleeping (a vLLM with sleep mode, one GPU), every server of the run joins the run's
+`sleepers` and at most one of them is awake at any instant: before one is started or a probe is aimed at it, every
+other is put to sleep (its weights moved to the host's memory, its KV cache dropped; a server that cannot sleep is
+stopped), and a sleeping one is woken. So the kept state's server lives from candidate to candidate, asleep while
+the candidate's is started, checked and sampled, and a candidate's sleeps while the kept one is sampled; a probe
+that talks to no server runs with all of them asleep. A server's serving correctness probes (the greedy outputs)
+are due once after its start and once after its first wake (`unchecked`): a woken server must still answer as it
+did.
+
 Stopping returns only once its process group exited and released its GPU memory (``LiveServer.stop``).
 The server runs in its own process group, its row in the processes table is written as soon as it
 started (its `ready` time once healthy), and it carries a process mark of the run, so `recover` kills it
@@ -27,6 +36,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import httpx
 import psutil
 
 from orchestrator.config import ProbeSpec
@@ -43,7 +53,8 @@ class StateServer:
 
     def __init__(self, run: RunContext, pinned: str | None = None):
         self.run = run
-        # how a pinned server lives beside another state's (Target.pairing): "coresident" or "simultaneous"
+        # how a pinned server lives beside another state's (Target.pairing): "coresident", "sleeping" or
+        # "simultaneous"
         self.pinned = pinned
         self.target = run.project.target
         # the target's own probes that talk to its server; a user's probe says so itself (ProbeSpec.server)
@@ -53,6 +64,10 @@ class StateServer:
         self.what = ""
         self.start_id: int | None = None
         self.samples = 0  # throughput samples it has served: the first of a fresh server warms it up
+        self.asleep = False
+        self.wakes = 0  # times woken in this life: a sample's `segment` of it
+        self.switches: list[tuple[int | None, str, float]] = []  # (step, "sleep" | "wake", seconds) of every life
+        self.unchecked: set[str] = set()  # serving correctness probes due on it (sleeping pairing, above)
         self._healthy = False
         self._step_id: int | None = None
         self._mark = ""
@@ -60,6 +75,13 @@ class StateServer:
         self._end: Callable[[], None] | None = None
         if pinned is None:
             run.journal.watch(self.stop)
+        if run.pairing == "sleeping":
+            run.sleepers.append(self)
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether it can sleep rather than stop when another server of the run is used."""
+        return self.pinned == "sleeping" and self.target.sleep_paths() is not None
 
     def serves(self, spec: ProbeSpec) -> bool:
         """Whether `spec` talks to the live server (else it runs with none alive)."""
@@ -82,6 +104,7 @@ class StateServer:
         if self.server is None:
             self.start(env, step_id, arm, label)
         self.wait()
+        self.rouse(step_id)
         if spec.name in self.shared:
             aimed = {s["name"]: s for s in self.target.probes_against(self.server.url, self.server.pid)}
             return list(aimed[spec.name]["command"]), env
@@ -90,6 +113,7 @@ class StateServer:
     def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str, wait: bool = True) -> None:
         """Start a server of the state on disk; with `wait`, return once it is healthy (else the first `aim` or
         `wait` waits: a pinned server can come up while something else runs, the configuration probe say)."""
+        hush(self.run, step_id, but=self)
         self.what, self._step_id = f"live server ({arm})", step_id
         self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
         server = self.target.live_server(marked_env(env, self._mark),
@@ -97,7 +121,9 @@ class StateServer:
         self.run.reporter.phase(label, f"starting the {self.what}")
         server.start()  # ServerFailed("crashed") when the command cannot be started: nothing runs then
         self.server = server
-        self.samples = 0
+        self.samples = self.wakes = 0
+        self.asleep = False
+        self.unchecked = self.checks() if self.sleeps else set()
         try:
             create_time = psutil.Process(server.pid).create_time()
         except psutil.Error:
@@ -121,6 +147,53 @@ class StateServer:
         self._healthy = True
         self.run.store.process_ready(self.start_id)
 
+    def checks(self) -> set[str]:
+        """The correctness probes that talk to this server."""
+        return {s.name for s in self.run.project.probes if s.role == "correctness" and self.serves(s)}
+
+    def rouse(self, step_id: int | None) -> None:
+        """Before this server is used: every other server of the run asleep, and this one awake."""
+        hush(self.run, step_id, but=self)
+        if self.asleep:
+            self.switch(step_id, "wake")
+            self.asleep = False
+            self.wakes += 1
+            if self.wakes == 1:
+                self.unchecked = self.checks()
+
+    def sleep(self, step_id: int | None) -> None:
+        """Put it to sleep; one that cannot sleep (or sleep in this pairing) is stopped instead."""
+        if not self.up or self.asleep:
+            return
+        if not self.sleeps:
+            return self.stop()
+        try:
+            self.switch(step_id, "sleep")
+        except ServerFailed as e:
+            self.run.store.event(self.run.run_id, "warning", f"{e.summary}; it is stopped instead", step_id)
+            return self.stop()
+        self.asleep = True
+
+    def switch(self, step_id: int | None, way: str) -> None:
+        """POST the target's sleep or wake path and wait for its answer (recorded as an event with its seconds);
+        ServerFailed("crashed"), the server stopped, when it does not answer so."""
+        path = self.target.sleep_paths()[0 if way == "sleep" else 1]
+        started = time.monotonic()
+        try:
+            answer = httpx.post(self.server.url + path, timeout=self.target.startup_timeout)
+            ok = answer.status_code == 200 and (way == "sleep" or answer.json().get("status", "awake") == "awake")
+            why = f"HTTP {answer.status_code}: {answer.text[:300]}"
+        except (httpx.HTTPError, ValueError) as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        seconds = time.monotonic() - started
+        if not ok:
+            self.stop()
+            raise ServerFailed("crashed", f"the {self.what} did not {way} ({path}: {why})")
+        self.switches.append((step_id, way, seconds))
+        self.run.store.event(self.run.run_id, f"server_{'slept' if way == 'sleep' else 'woken'}",
+                             f"the {self.what} (process row {self.start_id}) {'slept' if way == 'sleep' else 'woke'} "
+                             f"in {seconds:.2f} s", step_id)
+
     def crashed(self) -> str | None:
         """When the live server has exited: its exit code and the last lines of its log, for a probe's failure."""
         if self.server is None or (code := self.server.exited()) is None:
@@ -135,6 +208,7 @@ class StateServer:
         server, self.server = self.server, None
         if server is None:
             return
+        self.asleep = False
         try:
             server.stop()
         finally:
@@ -150,4 +224,11 @@ class StateServer:
                                      self._step_id)
 
 
-__all__ = ["ServerFailed", "StateServer"]
+def hush(run: RunContext, step_id: int | None, but: StateServer | None = None) -> None:
+    """Every server of a run that pairs by sleeping asleep (or stopped, where it cannot sleep), but `but`."""
+    for server in run.sleepers:
+        if server is not but:
+            server.sleep(step_id)
+
+
+__all__ = ["ServerFailed", "StateServer", "hush"]

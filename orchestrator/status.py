@@ -123,7 +123,21 @@ def calibration_lines(data: dict[str, Any]) -> list[str]:
              f"ignoring start effects); {c.get('pairs_per_start')} pairs per start; a no-op needs "
              f"{_or_more(c.get('pairs_needed'))} pairs on one pair of servers, {_or_more(c.get('starts_needed'))} "
              "starts, to show no gain"]
+    if wake := c.get("wake"):
+        lines.append(wake_line(wake))
     return lines
+
+
+def wake_line(wake: dict[str, Any]) -> str:
+    """What the calibration of a sleeping pairing found a wake to do to a server."""
+    if wake.get("spread") is None:
+        return "  a wake: too few samples to tell what it changes; woken servers are trusted"
+    seconds = f" (a sleep or wake takes {wake['switch_seconds']:.1f} s)" if wake.get("switch_seconds") else ""
+    verdict = ("woken servers measure like the servers they were" if wake.get("like_fresh") else
+               "woken servers do NOT measure like the servers they were: runs restart servers instead")
+    still = f", {wake['still']:.2%} from one sample to the next without one" if wake.get("still") is not None else ""
+    return (f"  a wake moves a server by {wake['spread']:.2%} RMS (p = {wake.get('p', 1):.3f}; {wake.get('woken')} "
+            f"differences across a wake, {wake.get('same')} within one{still}){seconds}: {verdict}")
 
 
 def _or_more(n: int | None) -> str:

@@ -385,6 +385,12 @@ class Reader:
     def open_processes(self) -> list[dict]:
         return self.query("SELECT * FROM processes WHERE ended IS NULL ORDER BY id")
 
+    def events(self, run_id: int, kinds: Iterable[str]) -> list[dict]:
+        """A run's events of these kinds, oldest first."""
+        kinds = list(kinds)
+        return self.query(f"SELECT * FROM events WHERE run_id = ? AND kind IN ({', '.join('?' * len(kinds))}) "
+                          "ORDER BY id", [run_id, *kinds])
+
 
 class Store(Reader):
     """The history, written. Every write commits before returning, except inside `transaction()`, where the

@@ -3,23 +3,39 @@
 # repository root (with .whl/ from benchmarks/make_wheels.sh), after ../shared/vllm-h200/serve.sh has
 # unpacked vLLM 0.34.0 into /tmp/site and written the model folder /tmp/qwen36:
 #
-#   bash benchmarks/vllm_h200/run.sh stage [orchestrator run options]  # starts `orchestrator run` detached
-#   bash benchmarks/vllm_h200/run.sh status                             # poll: the status table, the log's tail
-#   bash benchmarks/vllm_h200/run.sh compare                            # after it: kept stack vs vLLM defaults
-#   bash benchmarks/vllm_h200/run.sh results                            # status --json and the figures into $OUT
+#   bash benchmarks/vllm_h200/run.sh stage PART [run options]  # starts `orchestrator run --only` a part, detached
+#   bash benchmarks/vllm_h200/run.sh status                     # poll: the status table, the log's tail
+#   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
+#   bash benchmarks/vllm_h200/run.sh results                    # status --json, report, figures into $OUT
 #
-# Each command returns within seconds; `stage` and `compare` leave their work running detached (logs in
-# /tmp/h200-run) so that the machine's per-command limit does not cut them short.
+# A part (PARTS below) fits about 20 minutes of the H200 (orchestrator.yaml gives the cost split); each starts
+# from the serve config the part before kept: FROM=kept-serve.yaml (a part's `results`) to continue from one.
+# Each command returns within seconds; `stage` and `compare` leave their work running detached from a copy of
+# the project in /tmp/proj (each command on such a machine re-copies the working tree, which would pull the code
+# from under a job started inside it; logs in /tmp/h200-run).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
+TREE=$(cd "$HERE/../.." && pwd)
+PROJ=/tmp/proj          # the copy detached jobs run from
 SITE=/tmp/site          # vLLM 0.34.0 and what it needs (serve.sh unpacks it); the orchestrator's wheels join it
 WORK=/tmp/h200-run      # serve config, state, logs (paths in orchestrator.yaml)
-CONFIG=$HERE/orchestrator.yaml
+CONFIG=$PROJ/benchmarks/vllm_h200/orchestrator.yaml
+
+# The plugins that can change what this model serves at 128 requests in flight, three or four variants a part.
+# Not staged: max-num-seqs-search (512 and 1,024 sequences; no decode batch passes the 128 in flight),
+# gpu-memory-095 (the KV cache already holds several times the 128 x 1,200 tokens in flight), prefix-caching (the
+# workload shares no prefix, and vLLM caches none for a hybrid model's state), and every plugin that patches
+# source (0.34.0 lacks their anchors: not_applicable).
+declare -A PARTS=(
+    [1]="max-num-seqs-256,max-batched-tokens-32k,moe-backend"
+    [2]="async-scheduling,fusion-qk-norm-rope,cudagraph-capture-size"
+    [3]="api-server-count,stream-interval"
+    [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
+)
 
 # One folder for both: the wheels the payload also carries have the payload's versions
 # (benchmarks/make_wheels.sh), so installing them there replaces nothing vLLM was tested with.
-export PYTHONPATH="$REPO:$SITE"
+export PYTHONPATH="$PROJ:$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
     PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
 export PATH="$(dirname "$(command -v python3)"):$PATH"
@@ -47,28 +63,35 @@ stop_payload_server() {
 setup() {
     [[ -f $SITE/vllm/engine/arg_utils.py ]] || die "no vLLM in $SITE: run ../shared/vllm-h200/serve.sh first"
     [[ -f /tmp/qwen36/config.json ]] || die "no model folder /tmp/qwen36: run ../shared/vllm-h200/serve.sh first"
+    rm -rf "$PROJ" && cp -r "$TREE" "$PROJ"
     if [[ ! -f $WORK/.wheels-installed ]]; then
-        compgen -G "$REPO/.whl/*.whl" >/dev/null || die "no $REPO/.whl: run benchmarks/make_wheels.sh where pip works"
-        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$REPO"/.whl/*.whl
+        compgen -G "$PROJ/.whl/*.whl" >/dev/null || die "no .whl: run benchmarks/make_wheels.sh where pip works"
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$PROJ"/.whl/*.whl
         mkdir -p "$WORK" && touch "$WORK/.wheels-installed"
     fi
     python3 -c "import orchestrator.cli, sqlite_utils, ruamel.yaml, pydantic, fastapi, torch
 print('python', __import__('sys').version.split()[0], 'torch', torch.__version__, 'pydantic', pydantic.VERSION,
       'fastapi', fastapi.__version__, 'cuda', torch.cuda.is_available())"
-    python3 -m orchestrator.targets.vllm_options --package "$SITE/vllm" has max-num-seqs
+    python3 -m orchestrator.targets.vllm_options --package "$SITE/vllm" has max-num-seqs enable-sleep-mode
     mkdir -p "$WORK/serve"
-    [[ -f $WORK/serve/serve.yaml ]] || cp "$HERE/serve.yaml" "$WORK/serve/serve.yaml"
     stop_payload_server
 }
 
 case ${1:-} in
     stage)
-        shift
+        part=${2:-}
+        [[ -n ${PARTS[$part]:-} ]] || die "stage PART: one of $(printf "%s " "${!PARTS[@]}" | tr " " "\n" | sort | xargs)"
+        shift 2
         alive "$WORK/run.pid" && die "a run is going (pid $(cat "$WORK/run.pid")): poll with 'run.sh status'"
         setup
-        orch plugins list
-        setsid nohup python3 -m orchestrator.cli run --config "$CONFIG" "$@" > "$WORK/run.log" 2>&1 < /dev/null &
-        echo $! > "$WORK/run.pid"
+        if [[ -n ${FROM:-} ]]; then
+            cp "$FROM" "$WORK/serve/serve.yaml"
+        elif [[ ! -f $WORK/serve/serve.yaml ]]; then
+            cp "$HERE/serve.yaml" "$WORK/serve/serve.yaml"
+        fi
+        echo "part $part: ${PARTS[$part]}, from:"; cat "$WORK/serve/serve.yaml"
+        (cd "$PROJ" && setsid nohup python3 -m orchestrator.cli run --config "$CONFIG" --only "${PARTS[$part]}" "$@" \
+            > "$WORK/run.log" 2>&1 < /dev/null & echo $! > "$WORK/run.pid")
         echo "orchestrator run started (pid $(cat "$WORK/run.pid")), log $WORK/run.log"
         ;;
     status)
@@ -77,14 +100,17 @@ case ${1:-} in
         tail -n 15 "$WORK/run.log" 2>/dev/null || true
         ls -t "$WORK/state/server-logs" 2>/dev/null | head -3 | while read -r f; do
             echo "== $f"; tail -n 5 "$WORK/state/server-logs/$f"; done
+        tail -n 12 "$WORK/compare.log" 2>/dev/null || true
         ;;
     compare)
         alive "$WORK/run.pid" && die "the staged run is still going"
         alive "$WORK/compare.pid" && die "a comparison is going (pid $(cat "$WORK/compare.pid"))"
         setup
+        [[ -n ${FROM:-} ]] && cp "$FROM" "$WORK/serve/serve.yaml"
+        [[ -f $WORK/serve/serve.yaml ]] || die "no kept serve config: stage a part first, or give FROM=kept-serve.yaml"
         cp "$HERE/defaults.yaml" "$WORK/defaults.yaml"
-        setsid nohup bash "$HERE/compare.sh" "$WORK" > "$WORK/compare.log" 2>&1 < /dev/null &
-        echo $! > "$WORK/compare.pid"
+        (cd "$PROJ" && setsid nohup python3 "$PROJ/benchmarks/vllm_h200/compare.py" "$CONFIG" "$WORK" \
+            > "$WORK/compare.log" 2>&1 < /dev/null & echo $! > "$WORK/compare.pid")
         echo "comparison started (pid $(cat "$WORK/compare.pid")), log $WORK/compare.log"
         ;;
     results)
@@ -93,13 +119,13 @@ case ${1:-} in
         orch status --json > "$out/status.json" || true
         orch status > "$out/status.txt" 2>&1 || true
         orch report --out "$out/report" > /dev/null 2>&1 || true
-        cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare-*.json "$out/" 2>/dev/null || true
-        cp "$WORK/serve/serve.yaml" "$out/kept-serve.yaml"
-        cat "$out/status.txt" "$out/kept-serve.yaml"
-        tail -n 8 "$WORK/compare.log" 2>/dev/null || true
+        cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$out/" 2>/dev/null || true
+        cp "$WORK/serve/serve.yaml" "$out/kept-serve.yaml" 2>/dev/null || true
+        cat "$out/status.txt" "$out/kept-serve.yaml" 2>/dev/null || true
+        cat "$WORK/compare.md" 2>/dev/null || true
         ;;
     *)
-        sed -n '2,13p' "$0"
+        sed -n '2,15p' "$0"
         exit 2
         ;;
 esac

@@ -72,10 +72,22 @@ class Target:
     def pairing(self) -> str:
         """How the staging loop pairs samples of two states here (orchestrator/pairing.py): "sequential" (one
         state on disk and one server at a time), "coresident" (a live server of each state, both alive for the
-        whole comparison, sampled one after the other) or "simultaneous" (both sampled at the same time). The
-        last two need servers that read all of their state at start, so that each serves its state whatever is
-        on disk later; "simultaneous" also needs a machine two servers share fairly (a CPU, not one GPU)."""
+        whole comparison, sampled one after the other), "simultaneous" (both sampled at the same time) or
+        "sleeping" (a live server of each state, one awake at a time: the other sleeps, its memory given back,
+        and is woken for its own samples). The last three need servers that read their state at start, so that
+        each serves its state whatever is on disk later (`pinnable`); "simultaneous" also needs a machine two
+        servers share fairly (a CPU, not one GPU)."""
         return "sequential"
+
+    def pinnable(self, roots: set[str]) -> bool:
+        """Whether a live server keeps serving the state it started on while files of these roots change on disk:
+        it read them all at start. Where not, a comparison whose states differ there is taken one server at a
+        time, and no server of the kept state outlives the change."""
+        return True
+
+    def sleep_paths(self) -> tuple[str, str] | None:
+        """(POST path that puts a live server to sleep, POST path that wakes it) for the "sleeping" pairing."""
+        return None
 
     def memory_keys(self) -> frozenset[str]:
         """Keys of the configuration probe's reading that size a server's memory: a candidate that changes one is

@@ -6,6 +6,7 @@ seconds; a patched file must also be read from disk, never from an already-impor
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -13,7 +14,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator
 
@@ -21,16 +22,26 @@ from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
 from orchestrator.probes.workload import Workload
 from orchestrator.targets.base import Target, TargetConfig
+from orchestrator.targets.vllm_options import DEV_MODE_ENV
+
+# vLLM's routes in development mode: level 1 moves the weights to the host's memory and drops the KV cache, so a
+# woken server serves the same weights without loading them again
+SLEEP_PATHS = ("/sleep?level=1", "/wake_up")
 
 
 class VllmWorkload(Workload):
-    """The serving benchmark's load against vLLM: sized for a GPU (a minute or less per sample at the
-    seed's baseline of one sequence at a time on one H200)."""
+    """The serving benchmark's load against vLLM: the seed's, 1,000-token prompts and 200 tokens out with 128 in
+    flight (the seed sweeps 128 and 256), no shared prefix (a hybrid model caches none), in steady state: every
+    sample is 10 s at full concurrency after 3 s of ramp, whatever the state's speed (at the seed's baseline of
+    one sequence at a time a batch would take minutes)."""
 
-    num_prompts: int = Field(64, ge=1)
+    num_prompts: int = Field(128, ge=1)
     input_len: int = Field(1000, ge=1)
-    output_len: int = Field(100, ge=1)
-    max_concurrency: int = Field(64, ge=1)
+    output_len: int = Field(200, ge=1)
+    max_concurrency: int = Field(128, ge=1)
+    shared_prefix_fraction: float = Field(0.0, ge=0, lt=1)
+    duration: Optional[float] = Field(10.0, gt=0)
+    ramp: float = Field(3.0, ge=0)
 
 
 class VllmConfig(TargetConfig):
@@ -51,6 +62,9 @@ class VllmConfig(TargetConfig):
     # of the server's own CPU time, which other processes on a shared CPU machine do not stretch)
     objective: Literal["score", "cpu_score", "output_throughput"] = "score"
     workload: VllmWorkload = Field(default_factory=VllmWorkload)
+    # auto: where the installed vLLM has sleep mode, the kept state's server lives from candidate to candidate and
+    # sleeps while another is measured (pairing "sleeping"); off: one server at a time, restarted at each switch
+    sleep: Literal["auto", "off"] = "auto"
 
     @field_validator("serve_args")
     @classmethod
@@ -142,14 +156,42 @@ class VllmTarget(Target):
     def has_server(self) -> bool:
         return True
 
+    def pairing(self) -> str:
+        """"sleeping" where the installed vLLM can put a server to sleep and wake it (read from its source) and
+        the config allows it, else "sequential": vLLM holds most of the card, so two servers are never awake
+        together."""
+        return "sleeping" if self.config.sleep == "auto" and self.sleeps else "sequential"
+
+    @functools.cached_property
+    def sleeps(self) -> bool:
+        from orchestrator.targets.vllm_options import SourceError, read
+        try:
+            return read(self.package).sleeps
+        except (SourceError, ConfigError):
+            return False
+
+    def pinnable(self, roots: set[str]) -> bool:
+        """The serve config is read at start; the package is not: vLLM imports some modules only when first used
+        (sleep mode's own, a kernel's), so a server alive while a plugin patches the package could run code of
+        two states."""
+        return roots <= {"serve"}
+
+    def sleep_paths(self) -> tuple[str, str]:
+        return SLEEP_PATHS
+
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
                     beside: str | None = None) -> LiveServer:
         """An unstarted server of the serve config as it is on disk now (a free port on 127.0.0.1),
         with the target's stop grace period and a log kept under the state folder. For a caller
         that wants one start to serve several probes: ``start()``, ``wait_healthy(startup_timeout)``,
-        then the probes of ``probes_against(server.url)``, then ``stop()``."""
-        return LiveServer(self.serve_argv(), env=env, stop_timeout=self.config.stop_timeout,
-                          log_dir=self.server_logs, log_label=label)
+        then the probes of ``probes_against(server.url)``, then ``stop()``. Beside a server it sleeps
+        with (`beside` "sleeping"), sleep mode and its routes are on (VLLM_SERVER_DEV_MODE)."""
+        argv, env = self.serve_argv(), dict(env or os.environ)
+        if beside == "sleeping":
+            argv.append("--enable-sleep-mode")
+            env[DEV_MODE_ENV] = "1"
+        return LiveServer(argv, env=env, stop_timeout=self.config.stop_timeout, log_dir=self.server_logs,
+                          log_label=label)
 
     def _server_source(self, base_url: str | None) -> list[str]:
         if base_url:

@@ -5,7 +5,10 @@ Options are the long names its argument parser is built with: the literal ``--na
 ``add_argument`` calls in ``engine/arg_utils.py`` (EngineArgs, AsyncEngineArgs) and in the serve
 entry points, plus the fields of the frontend dataclasses, whose options are added in a loop. The
 ``EngineArgs`` dataclass fields are read too (every serve option but the frontend's is one). For an
-option taking a JSON config (``compilation-config``) the fields of its class are its nested keys.
+option taking a JSON config (``compilation-config``, ``kernel-config``) the fields of its class are its nested
+keys, and the fields of a field's own config class the keys below that (``compilation-config.pass_config.X``).
+Sleep mode is read too: ``--enable-sleep-mode`` and the routes that put a server to sleep and wake it
+(``POST /sleep``, ``POST /wake_up``), which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``.
 
 Plugins use the command line as a precondition and as a check:
 
@@ -33,7 +36,11 @@ PARSER_FILES = ("engine/arg_utils.py", "entrypoints/openai/cli_args.py", "entryp
                 "entrypoints/cli/serve.py", "entrypoints/cli/main.py")
 ENGINE_ARGS = ("EngineArgs", "AsyncEngineArgs")
 # options whose value is a JSON object of a config class's fields
-NESTED = {"compilation-config": "CompilationConfig"}
+NESTED = {"compilation-config": "CompilationConfig", "kernel-config": "KernelConfig"}
+NESTED_DEPTH = 2  # option.field.field: a field whose type is itself a config class (pass_config: PassConfig)
+SLEEP_OPTION = "enable-sleep-mode"
+SLEEP_ROUTES = ("/sleep", "/wake_up")  # POST routes of vLLM's API server in development mode
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # the environment variable that makes it serve them
 
 
 def normalize(key: str) -> str:
@@ -47,33 +54,54 @@ class ServeOptions:
     version: str | None
     options: frozenset[str]  # long option names, without "--"
     engine_fields: frozenset[str]  # EngineArgs / AsyncEngineArgs field names
-    nested: dict[str, frozenset[str]] = field(default_factory=dict)  # option -> its config class's fields
+    # option (or option.field) -> the fields of its config class
+    nested: dict[str, frozenset[str]] = field(default_factory=dict)
+    sleep_routes: bool = False  # the source serves SLEEP_ROUTES when DEV_MODE_ENV is set
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether a server of this vLLM can be put to sleep and woken over HTTP."""
+        return SLEEP_OPTION in self.options and self.sleep_routes
 
     @property
     def where(self) -> str:
         return f"vLLM {self.version or '(version unknown)'} at {self.package}"
 
     def missing(self, key: str) -> str | None:
-        """Why ``key`` (``name`` or ``name.field`` for a nested config) is not a serve option here, or
-        None when it is."""
+        """Why ``key`` (``name`` or ``name.field`` for a nested config, either with ``=VALUE``: a value the
+        option's type lists) is not a serve option here, or None when it is."""
+        key, eq, value = key.partition("=")
+        if (why := self._missing(key)) or not eq:
+            return why
+        name, _, sub = key.partition(".")
+        values = literal_values(self.package, normalize(name), sub)
+        if values is None:
+            return f"{self.where}: cannot read the values --{key} takes from its source"
+        if value not in values:
+            return f"{self.where}: --{key} takes no value {value!r} (it takes {', '.join(sorted(values))})"
+        return None
+
+    def _missing(self, key: str) -> str | None:
         name, _, sub = key.partition(".")
         name = normalize(name)
         if name not in self.options:
             close = difflib.get_close_matches(name, sorted(self.options), n=3, cutoff=0.75)
             hint = f" (it has {', '.join('--' + c for c in close)})" if close else ""
             return f"{self.where} has no serve option --{name}{hint}"
-        if sub:
-            fields = self.nested.get(name)
-            if fields is None:
-                return f"{self.where}: cannot read the fields of --{name} from its source"
-            if sub not in fields:
-                return f"{self.where}: --{name} has no field {sub!r}"
+        path = name
+        for depth, part in enumerate(sub.split(".") if sub else []):
+            fields = self.nested.get(path)
+            if fields is None:  # below the option itself: a field holding a free-form mapping takes any key
+                return f"{self.where}: cannot read the fields of --{path} from its source" if not depth else None
+            if part not in fields:
+                return f"{self.where}: --{path} has no field {part!r}"
+            path = f"{path}.{part}"
         return None
 
     def to_json(self) -> dict:
         return {"package": str(self.package), "version": self.version, "options": sorted(self.options),
                 "engine_fields": sorted(self.engine_fields),
-                "nested": {k: sorted(v) for k, v in self.nested.items()}}
+                "nested": {k: sorted(v) for k, v in self.nested.items()}, "sleeps": self.sleeps}
 
 
 class SourceError(Exception):
@@ -89,13 +117,54 @@ def _parse(path: Path) -> ast.Module:
 
 def _class_fields(tree: ast.Module, names: tuple[str, ...] | str) -> set[str]:
     """Annotated attributes in the bodies of the classes named ``names`` (or matching the regex)."""
+    return set(_annotated(tree, names))
+
+
+def _annotated(tree: ast.Module, names: tuple[str, ...] | str) -> dict[str, str | None]:
+    """{attribute: the name of its annotation's type (`X`, `X | None`, `Optional[X]`), else None} of the classes
+    named ``names``."""
     match = (lambda n: n in names) if isinstance(names, tuple) else re.compile(names).fullmatch
-    found = set()
+    found: dict[str, str | None] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and match(node.name):
-            found |= {s.target.id for s in node.body
-                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            found.update({s.target.id: _type_name(s.annotation)
+                          for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)})
     return found
+
+
+def _type_name(annotation: ast.expr) -> str | None:
+    if isinstance(annotation, ast.Name):
+        return annotation.id
+    if isinstance(annotation, ast.BinOp):  # X | None, X | str | None: the first named type
+        return _type_name(annotation.left)
+    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", None) == "Optional":
+        return _type_name(annotation.slice)
+    return None
+
+
+def literal_values(package: Path, option: str, sub: str = "") -> set[str] | None:
+    """The values an option (or its nested field ``sub``) takes where its type is a ``Literal[...]`` alias of the
+    package (``quantization: QuantizationMethods``, ``moe_backend: MoEBackend``); None where it cannot be read."""
+    if sub:
+        path, kind = option, None
+        for part in sub.split("."):
+            cls = NESTED.get(path) if path == option else kind
+            fields = _config_class_fields(package, cls) if cls else {}
+            kind, path = fields.get(part), f"{path}.{part}"
+    else:
+        kind = _annotated(_parse(package / PARSER_FILES[0]), ENGINE_ARGS).get(option.replace("-", "_"))
+    if not kind:
+        return None
+    pattern = re.compile(rf"^{re.escape(kind)}\s*=\s*Literal\[", re.M)
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if pattern.search(text):
+            for node in _parse(path).body:
+                if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [kind]
+                        and isinstance(node.value, ast.Subscript)):
+                    items = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+                    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+    return None
 
 
 def _option_literals(tree: ast.Module) -> set[str]:
@@ -138,25 +207,57 @@ def read(package: Path) -> ServeOptions:
             engine_fields = _class_fields(tree, ENGINE_ARGS)
         else:  # the frontend's options are added in a loop over its dataclass's fields
             options |= {normalize(f) for f in _class_fields(tree, r".*FrontendArgs")}
-    nested = {}
+    options = {normalize(o) for o in options}
+    nested: dict[str, frozenset[str]] = {}
     for option, cls in NESTED.items():
-        if option in options and (fields := _config_class_fields(package, cls)):
-            nested[option] = frozenset(fields)
-    return ServeOptions(package, version_of(package), frozenset(normalize(o) for o in options),
-                        frozenset(engine_fields), nested)
+        if option in options:
+            _nest(package, option, cls, nested, NESTED_DEPTH)
+    return ServeOptions(package, version_of(package), frozenset(options), frozenset(engine_fields), nested,
+                        _serves_sleep_routes(package))
 
 
-def _config_class_fields(package: Path, cls: str) -> set[str]:
+def _nest(package: Path, path: str, cls: str, nested: dict[str, frozenset[str]], depth: int) -> None:
+    """The fields of config class ``cls`` as the keys under ``path``, and those of its fields typed by another
+    config class under ``path.field`` (``depth`` levels in all)."""
+    fields = _config_class_fields(package, cls)
+    if not fields:
+        return
+    nested[path] = frozenset(fields)
+    if depth > 1:
+        for name, kind in fields.items():
+            if kind and kind.endswith("Config"):
+                _nest(package, f"{path}.{name}", kind, nested, depth - 1)
+
+
+def _config_class_fields(package: Path, cls: str) -> dict[str, str | None]:
     candidates = [package / "config.py", *sorted((package / "config").glob("*.py"))]
     for path in candidates:
         if path.is_file() and f"class {cls}" in path.read_text(encoding="utf-8", errors="replace"):
-            if fields := _class_fields(_parse(path), (cls,)):
+            if fields := _annotated(_parse(path), (cls,)):
                 return fields
-    return set()
+    return {}
+
+
+def _serves_sleep_routes(package: Path) -> bool:
+    """Whether the API server's source routes POST /sleep and POST /wake_up, and gates them on DEV_MODE_ENV."""
+    envs = package / "envs.py"
+    if not envs.is_file() or DEV_MODE_ENV not in envs.read_text(encoding="utf-8", errors="replace"):
+        return False
+    routes: set[str] = set()
+    for path in sorted((package / "entrypoints").rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if '"/wake_up"' not in text and '"/sleep"' not in text:
+            continue
+        for node in ast.walk(_parse(path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "post"
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                routes.add(node.args[0].value)
+    return set(SLEEP_ROUTES) <= routes
 
 
 def config_keys(path: Path) -> list[str]:
-    """The keys of a `vllm serve --config` YAML, nested ones of JSON-config options as ``name.field``."""
+    """The keys of a `vllm serve --config` YAML, nested ones of JSON-config options as ``name.field`` (and
+    ``name.field.field``)."""
     import yaml
 
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -166,13 +267,22 @@ def config_keys(path: Path) -> list[str]:
     for key, value in data.items():
         keys.append(str(key))
         if normalize(str(key)) in NESTED:
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError:
-                    continue
-            if isinstance(value, dict):
-                keys += [f"{key}.{sub}" for sub in value]
+            keys += _subkeys(str(key), value, NESTED_DEPTH)
+    return keys
+
+
+def _subkeys(prefix: str, value, depth: int) -> list[str]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return []
+    if not isinstance(value, dict) or depth < 1:
+        return []
+    keys = []
+    for sub, inner in value.items():
+        keys.append(f"{prefix}.{sub}")
+        keys += _subkeys(f"{prefix}.{sub}", inner, depth - 1) if isinstance(inner, dict) else []
     return keys
 
 
@@ -191,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                    "else the vllm this Python would import)")
     sub = p.add_subparsers(dest="command", required=True)
     has = sub.add_parser("has", help="exit 0 when every KEY is a serve option, else 1 saying which is not")
-    has.add_argument("keys", nargs="+", metavar="KEY", help="e.g. max-num-seqs or compilation-config.cudagraph_mode")
+    has.add_argument("keys", nargs="+", metavar="KEY", help="e.g. max-num-seqs, compilation-config.cudagraph_mode, or "
+                     "with =VALUE a value its type lists: quantization=fp8_per_tensor")
     check = sub.add_parser("check", help="exit 0 when every key of a serve config is a serve option")
     check.add_argument("config", type=Path)
     sub.add_parser("list", help="print the options as JSON")
@@ -209,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     for why in problems:
         print(why, file=sys.stderr)
     if not problems:
-        what = "its keys are" if args.command == "check" else ", ".join("--" + normalize(k) for k in keys) + " are"
+        named = ["--" + normalize(k.partition("=")[0]) + "".join(k.partition("=")[1:]) for k in keys]
+        what = "its keys are" if args.command == "check" else ", ".join(named) + " are"
         print(f"{options.where}: {what} serve options")
     return 1 if problems else 0
 

@@ -26,11 +26,23 @@ SHIPPED = {
     "gdn-prefill-triton", "gdn-decode-triton", "gdn-fused-triton",              # Gated DeltaNet
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
     "max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",  # vLLM serve options
-    "kv-cache-fp8", "cudagraph-capture-size",
+    "kv-cache-fp8", "cudagraph-capture-size", "api-server-count", "stream-interval", "fusion-qk-norm-rope",
+    "moe-backend", "quantization-fp8",
 }
-VLLM_SERVE = {"max-num-seqs-search": "max-num-seqs", "max-batched-tokens-search": "max-num-batched-tokens",
-              "prefix-caching": "enable-prefix-caching", "async-scheduling": "async-scheduling",
-              "kv-cache-fp8": "kv-cache-dtype", "cudagraph-capture-size": "max-cudagraph-capture-size"}
+# vLLM-serve plugin: (the key its precondition asks the installed vLLM for, the serve-config key it sets)
+VLLM_SERVE = {"max-num-seqs-search": ("max-num-seqs", "max-num-seqs"),
+              "max-batched-tokens-search": ("max-num-batched-tokens", "max-num-batched-tokens"),
+              "prefix-caching": ("enable-prefix-caching", "enable-prefix-caching"),
+              "async-scheduling": ("async-scheduling", "async-scheduling"),
+              "kv-cache-fp8": ("kv-cache-dtype", "kv-cache-dtype"),
+              "cudagraph-capture-size": ("max-cudagraph-capture-size", "max-cudagraph-capture-size"),
+              "api-server-count": ("api-server-count", "api-server-count"),
+              "stream-interval": ("stream-interval", "stream-interval"),
+              "fusion-qk-norm-rope": ("compilation-config.pass_config.enable_qk_norm_rope_fusion",
+                                      "compilation-config.pass_config.enable_qk_norm_rope_fusion"),
+              "moe-backend": ("kernel-config.moe_backend=flashinfer_cutlass", "kernel-config.moe_backend"),
+              "quantization-fp8": ("quantization=fp8_per_tensor", "quantization")}
+CHANGES_NUMERICS = {"kv-cache-fp8", "quantization-fp8"}
 
 
 TIMED = "prefill-triton-autotune"  # its step times launches on the device, then writes the serve config
@@ -135,15 +147,15 @@ def test_vllm_serve_plugins_check_their_option_verify_and_roll_back(tmp_path):
     value landed and the whole config is servable there, and re-checks the restored config on rollback."""
     plugins = {p.id: p for p in load_all(OPTIMIZATIONS, {"vllm": tmp_path, "serve": tmp_path},
                                          {"serve_config": "serve.yaml"})}
-    for pid, option in VLLM_SERVE.items():
+    for pid, (asked, option) in VLLM_SERVE.items():
         m = plugins[pid].manifest
         assert m.targets == ["vllm"], pid
-        assert [c.body.run[-2:] for c in m.applies_if] == [["has", option]], pid
+        assert [c.body.run[-2:] for c in m.applies_if] == [["has", asked]], pid
         for variant in plugins[pid].variants:
             assert [s.body.key for s in variant.apply] == [option], pid
             assert {c.kind for c in variant.verify} == {"contains", "command"}, pid
             assert [s.body.run[-2:] for s in variant.rollback] == [["check", "serve.yaml"]], pid
-        assert m.changes_numerics == (pid == "kv-cache-fp8"), pid
+        assert m.changes_numerics == (pid in CHANGES_NUMERICS), pid
     assert [v.params for v in plugins["max-num-seqs-search"].variants] == [
         {"max_num_seqs": n} for n in (512, 1024)]
 

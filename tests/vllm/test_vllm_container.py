@@ -68,6 +68,13 @@ def test_first_start_writes_configs_stages_then_serves(box):
     assert project.target.serve_config == state / "serve" / "serve.yaml"
     assert not project.state_dir.is_relative_to(project.target.serve_config.parent)  # the serve root
     assert [p.name for p in project.probes] == ["kernels", "greedy", "serving"]  # live: on `vllm serve`
+    # staged as the H200 runs are: the seed's workload in steady state, sleep mode where the image's vLLM has it,
+    # an A/A calibration first and every decision judged by an interval
+    workload = project.target.config.workload
+    assert (workload.max_concurrency, workload.input_len, workload.output_len, workload.duration) == \
+        (128, 1000, 200, 10)
+    assert project.target.config.sleep == "auto"
+    assert project.policy.rule == "stat" and project.policy.calibrate.starts == 3
 
 
 def test_the_first_start_arguments_are_staged_with_but_not_its_address(box):

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_source import OPTIMIZATIONS, REPO
+from vllm_source import OPTIMIZATIONS, REPO, without_sleep_mode
 
 STANDIN = Path(__file__).resolve().parent / "standin" / "vllm"
 
@@ -38,7 +38,8 @@ target:
   stop_timeout: 3
   check_timeout: 300
   server_timeout: 300
-  workload: {{num_prompts: 16, input_len: 32, output_len: 32, max_concurrency: 16}}
+  workload: {{num_prompts: 16, input_len: 32, output_len: 32, max_concurrency: 16, shared_prefix_fraction: 0.5,
+             duration: null}}  # a batch: each sample ends when its 16 requests do
   objective: cpu_score  # the server's own CPU time: other load on a shared machine does not stretch it
 plugins: plugins
 state: state
@@ -62,8 +63,9 @@ TEST_PLUGINS = {  # id: (order, serve-config key, value)
     "stubborn": (50, "standin-ignore-sigterm", "true"),  # a group member that ignores SIGTERM
     "dies": (60, "standin-exit-after-requests", 12),  # exits mid-sample: 8 greedy requests, then 1 + 16 serving
 }
-# 0.10.2 has the options of the first two, not the third's; kv-cache-fp8 declares that it changes numerics
-SHIPPED = ("async-scheduling", "kv-cache-fp8", "cudagraph-capture-size")
+# 0.10.2 has the options of the first two, not the third's, and no fp8_per_tensor among the values of
+# --quantization; kv-cache-fp8 declares that it changes numerics
+SHIPPED = ("async-scheduling", "kv-cache-fp8", "cudagraph-capture-size", "quantization-fp8")
 
 
 def standin_env(tmp_path: Path) -> dict[str, str]:
@@ -161,6 +163,9 @@ def test_live_run_keeps_rolls_back_and_leaves_nothing_behind(deployment):
     graphs = steps["cudagraph-capture-size"]
     assert (graphs["outcome"], graphs["reason"]) == ("skipped", "not_applicable"), graphs
     assert "has no serve option --max-cudagraph-capture-size" in graphs["detail"]
+    fp8 = steps["quantization-fp8"]
+    assert (fp8["outcome"], fp8["reason"]) == ("skipped", "not_applicable"), fp8
+    assert "--quantization takes no value 'fp8_per_tensor'" in fp8["detail"]
     # a shipped plugin the stand-in accepts and ignores: applied, verified, measured, decided
     asynchronous = steps["async-scheduling"]
     assert asynchronous["outcome"] in ("kept", "rolled_back") and asynchronous["gain"] is not None, asynchronous
@@ -232,9 +237,10 @@ def test_both_probes_share_one_running_server(tmp_path, vllm_pinned):
 
 
 def test_paired_samples_reuse_each_arms_server(tmp_path, vllm_pinned):
-    """Three pairs in the order C B, B C, C B: the candidate's server serves its correctness probe and the first
-    sample, each later server the last sample of one pair and the first of the next; every sample of a pair
-    sends that pair's prompts (seed offset by the pair index), none another pair's."""
+    """On a vLLM without sleep mode, three pairs in the order C B, B C, C B: the candidate's server serves its
+    correctness probe and the first sample, each later server the last sample of one pair and the first of the
+    next; every sample of a pair sends that pair's prompts (seed offset by the pair index), none another pair's."""
+    package = without_sleep_mode(vllm_pinned, tmp_path / "vllm")
     (tmp_path / "serve").mkdir()
     (tmp_path / "serve" / "serve.yaml").write_text(SERVE)
     (tmp_path / "plugins" / "other-seqs").mkdir(parents=True)
@@ -242,7 +248,7 @@ def test_paired_samples_reuse_each_arms_server(tmp_path, vllm_pinned):
         PLUGIN.format(id="other-seqs", order=10, key="max-num-seqs", value=2))
     # a bar no change clears: rolled back after exactly three pairs, with no final re-validation
     policy = "{repeats: 1, interleave: true, min_pairs: 3, max_pairs: 3, min_gain: 5.0}"
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=policy))
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=package, policy=policy))
     run = cli(tmp_path, "run")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     step = json.loads(cli(tmp_path, "status", "--json").stdout)["steps"][0]
@@ -259,6 +265,8 @@ def test_paired_samples_reuse_each_arms_server(tmp_path, vllm_pinned):
     assert all(metrics["pair"] == pair for _, pair, metrics in samples)
     assert [seeds["candidate", i] == seeds["baseline", i] for i in range(3)] == [True] * 3
     assert len({seeds["candidate", i] for i in range(3)}) == 3
+    events = [json.loads(line)["event"] for line in (tmp_path / "standin" / "record.jsonl").read_text().splitlines()]
+    assert "sleep" not in events and events.count("start") == 5, events  # the servers' own record
     assert left_behind(str(tmp_path)) == []
 
 
@@ -283,7 +291,7 @@ def test_sigterm_to_the_run_stops_its_server_first(tmp_path, vllm_pinned):
     (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
     run = start_run(tmp_path)
     try:
-        wait_until(lambda: any("engine.server" in p for p in left_behind(str(tmp_path))), run, "the live server")
+        wait_until(lambda: any("vllm serve" in p for p in left_behind(str(tmp_path))), run, "the live server")
         run.terminate()
         assert run.wait(60) == 1
         # the run stopped its server before it exited: nothing for a recovery to kill

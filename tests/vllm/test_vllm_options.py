@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from orchestrator.targets import vllm_options
-from vllm_source import PINNED, REPO
+from vllm_source import PINNED, REPO, without_sleep_mode
 
 SERVE_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-prefix-caching", "async-scheduling",
               "kv-cache-dtype", "gpu-memory-utilization", "compilation-config", "model", "served-model-name",
@@ -85,3 +85,28 @@ def test_not_a_vllm_package_is_a_clear_no(tmp_path):
 @pytest.mark.parametrize("key, normal", [("--max_num_seqs", "max-num-seqs"), ("kv-cache-dtype", "kv-cache-dtype")])
 def test_keys_are_read_as_vllm_reads_them(key, normal):
     assert vllm_options.normalize(key) == normal
+
+
+def test_sleep_mode_nested_fields_and_values(vllm_pinned, vllm_newest, tmp_path):
+    """Sleep mode (the option and its routes), fields two levels down, and the values a Literal type lists."""
+    pinned, newest = vllm_options.read(vllm_pinned), vllm_options.read(vllm_newest)
+    assert pinned.sleeps and newest.sleeps
+    assert not vllm_options.read(without_sleep_mode(vllm_pinned, tmp_path / "vllm")).sleeps
+    key = "compilation-config.pass_config.enable_qk_norm_rope_fusion"
+    assert newest.missing(key) is None
+    assert pinned.missing(key).endswith("--compilation-config.pass_config has no field 'enable_qk_norm_rope_fusion'")
+    assert newest.missing("compilation-config.inductor_compile_config.max_autotune") is None  # a free-form mapping
+    assert newest.missing("kernel-config.moe_backend=flashinfer_cutlass") is None
+    assert "--kernel-config.moe_backend takes no value 'cutlass_x'" in \
+        newest.missing("kernel-config.moe_backend=cutlass_x")
+    assert "has no serve option --kernel-config" in pinned.missing("kernel-config.moe_backend=flashinfer_cutlass")
+    assert newest.missing("quantization=fp8_per_tensor") is None and pinned.missing("quantization=fp8") is None
+    assert "--quantization takes no value 'fp8_per_tensor'" in pinned.missing("quantization=fp8_per_tensor")
+    assert "cannot read the values --max-num-seqs takes" in newest.missing("max-num-seqs=8")
+    serve = tmp_path / "serve.yaml"
+    serve.write_text("model: m\ncompilation-config: {pass_config: {enable_qk_norm_rope_fusion: true}}\n"
+                     "kernel-config: {moe_backend: flashinfer_cutlass, enable_flashinfer_autotune: false}\n")
+    assert cli("--package", str(vllm_newest), "check", str(serve)).returncode == 0
+    bad = cli("--package", str(vllm_pinned), "check", str(serve))
+    assert bad.returncode == 1 and "no field 'enable_qk_norm_rope_fusion'" in bad.stderr
+    assert "--kernel-config" in bad.stderr

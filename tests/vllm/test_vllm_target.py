@@ -73,7 +73,9 @@ def test_default_probes_start_vllm_serve_live(deployment):
     assert greedy["command"][greedy["command"].index("--startup-timeout") + 1] == "120"
     assert serving["command"][serving["command"].index("--health-timeout") + 1] == "120"
     w = dict(zip(serving["command"][::1], serving["command"][1:]))
-    assert (w["--num-prompts"], w["--input-len"], w["--output-len"], w["--max-concurrency"]) == ("64", "1000", "100", "64")
+    assert (w["--num-prompts"], w["--input-len"], w["--output-len"], w["--max-concurrency"]) == \
+        ("128", "1000", "200", "128")
+    assert (w["--duration"], w["--ramp"], w["--shared-prefix-fraction"]) == ("10.0", "3.0", "0.0")  # the seed's, steady
 
 
 def test_probes_against_a_running_server_start_none(deployment):

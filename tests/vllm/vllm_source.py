@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,10 +20,12 @@ PINNED = "0.10.2"
 # What each shipped plugin does on vLLM 0.10.2: applies, needs a fork's code or a newer vLLM, or is for the
 # engine only. SERVE_OPTIONS edit only the serve config, with options both releases have.
 SERVE_OPTIONS = {"max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",
-                 "kv-cache-fp8"}
+                 "kv-cache-fp8", "api-server-count"}
 ON_PINNED = {"max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-layout", "decode-v2-triton",
              "prefill-triton", "prefill-triton-tuning"} | SERVE_OPTIONS
-NEWER_ONLY = {"cudagraph-capture-size"}  # max-cudagraph-capture-size: not an option of 0.10.2
+# what 0.10.2 lacks: --max-cudagraph-capture-size, --stream-interval, pass_config.enable_qk_norm_rope_fusion,
+# --kernel-config, and fp8_per_tensor among the values of --quantization
+NEWER_ONLY = {"cudagraph-capture-size", "stream-interval", "fusion-qk-norm-rope", "moe-backend", "quantization-fp8"}
 FORK_ONLY = {"fork-head-mapping-tensor", "fork-enable-triton", "fork-xformers-flash-prefill", "decode-v2-long",
              "decode-threshold-64k"}
 ENGINE_ONLY = {"prefill-pregather", "prefill-triton-autotune", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs", "gdn-prefill-triton",
@@ -75,6 +78,23 @@ def unpack(whl: Path, dest: Path) -> Path:
         names = [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")]
         z.extractall(dest, names)
     return dest / "vllm"
+
+
+def linked(package: Path, dest: Path) -> Path:
+    """A package folder of its own whose files are links to `package`'s: a plugin may add or edit files in it."""
+    shutil.copytree(package, dest, copy_function=os.symlink)
+    return dest
+
+
+def without_sleep_mode(package: Path, dest: Path) -> Path:
+    """`package` as a vLLM without sleep mode: its argument parser built without --enable-sleep-mode."""
+    linked(package, dest)
+    arg_utils = dest / "engine" / "arg_utils.py"
+    text = arg_utils.read_text()
+    assert text.count('"--enable-sleep-mode",') == 1, arg_utils
+    arg_utils.unlink()
+    arg_utils.write_text(text.replace('"--enable-sleep-mode",', ""))
+    return dest
 
 
 def probe_env(package: Path) -> dict[str, str]:
