@@ -466,7 +466,7 @@ class Journal:
         Files are rewritten in place, or with `atomic` through a new file renamed into place. Every blob to be
         written is checked first (BlobError, nothing changed)."""
         self.check_paths(items)
-        beyond = {path for path, _, _ in items if self._link_on_the_way(path)}  # of a link replaced here
+        beyond = {path for path, _, _ in items if self.link_on_the_way(path)}  # of a link replaced here
         self.check_blobs([(image, path) for path, image, _ in items if images.is_blob(image)])
         for path, image, _ in sorted(items, key=_depth, reverse=True):
             if path in beyond:
@@ -482,14 +482,14 @@ class Journal:
                     path.unlink()
         for path, image, mode in sorted(items, key=_depth):
             if image is not None:
-                if (link := self._link_on_the_way(path)) is not None:  # made a link since it was checked
+                if (link := self.link_on_the_way(path)) is not None:  # made a link since it was checked
                     raise OutsideRoot([_beyond(path, link)], partly=True)
                 self._place(path, image, mode, atomic)
         for path, image, mode in sorted(items, key=_depth, reverse=True):
             if image == DIR and mode is not None and stat.S_IMODE(os.lstat(path).st_mode) != stat.S_IMODE(mode):
                 os.chmod(path, stat.S_IMODE(mode))
 
-    def _link_on_the_way(self, path: Path) -> Path | None:
+    def link_on_the_way(self, path: Path) -> Path | None:
         return images.link_on_the_way(self._root_of(path), path)
 
     def _place(self, path: Path, image: str, mode: int | None, atomic: bool) -> None:

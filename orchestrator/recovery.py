@@ -250,7 +250,11 @@ def plan(journal: Journal, unit: Unit, ahead: dict[Path, tuple] | None = None) -
     ahead = {} if ahead is None else ahead
 
     def current(path: Path) -> tuple:
-        return ahead[path] if path in ahead else _current(path)
+        if path in ahead:
+            return ahead[path]
+        if journal.link_on_the_way(path) is not None:  # what a link leads to is not in the target: nothing is
+            return None, None
+        return _current(path)
 
     p = Plan()
     ev = Evidence()

@@ -201,3 +201,29 @@ def test_a_slow_write_of_the_run_is_known_for_its_own(tmp_path, when):
     out = project.cli("recover", check=0).stdout
     assert "rolled_back large" in out
     assert tree(project.target) == original
+
+
+def test_a_folder_a_killed_command_swapped_for_a_link_out_of_the_target_is_put_back_whole(tmp_path):
+    """The command moved conf/ out of the target and left a link to it: its files, read through the link, still
+    hold their pre-images, yet the target has none of them. Recovery puts the folder back with its files and
+    writes nothing outside."""
+    project = make_project(tmp_path / "p", plugins=[])
+    outside = tmp_path / "outside"
+    add_plugin(project, {"id": "swap", "apply": [{"command": {"timeout": 300, "run": [
+        sys.executable, "-c",
+        "import os, pathlib, shutil, time\n"
+        f"shutil.move('conf', {str(outside / 'conf')!r})\n"
+        f"os.symlink({str(outside / 'conf')!r}, 'conf')\n"
+        "pathlib.Path(os.environ['TEST_MARKER_DIR'], 'marker-apply').write_text(str(os.getpid()))\n"
+        "time.sleep(120)\n"]}}]})
+    outside.mkdir()
+    original = tree(project.target)
+    proc = project.spawn("run")
+    wait_for(project.path / "marker-apply", proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ended(project, 10)
+    moved = tree(outside)
+    project.cli("recover", check=0)
+    assert tree(project.target) == original
+    assert tree(outside) == moved
