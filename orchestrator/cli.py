@@ -29,6 +29,7 @@ _WIDTH = None if os.environ.get("COLUMNS") else 160
 console = Console(width=None if Console().is_terminal else _WIDTH)
 err = Console(stderr=True, width=None if Console(stderr=True).is_terminal else _WIDTH)
 
+COMMAND_LINE = "command line"  # where an option's bad value came from, in errors
 ConfigOpt = typer.Option(None, "--config", "-c", help="orchestrator.yaml (default: ./orchestrator.yaml, else the "
                                                        "embedded default)")
 
@@ -161,7 +162,14 @@ def run(config: Optional[Path] = ConfigOpt,
         attribute: bool = typer.Option(False, "--attribute", help="after the final re-validation, measure each "
                                        "kept plugin's contribution (the stack without it against the whole stack)"),
         reverify: bool = typer.Option(False, "--reverify", help="stage nothing; re-judge the kept plugins whose "
-                                      "decisions were measured in another environment (shown stale by status)")) -> None:
+                                      "decisions were measured in another environment (shown stale by status)"),
+        workers: Optional[int] = typer.Option(None, "--workers", min=1, max=100, help="screen independent "
+                                              "candidates on this many workers at once, each with a GPU of its own "
+                                              "where the target runs on GPUs (default: policy.workers, 1); needs "
+                                              "Ray (.[ray])"),
+        ray_address: Optional[str] = typer.Option(None, "--ray-address", help="the Ray cluster of the workers "
+                                                  "(HOST:PORT of its head node; default: a local cluster started "
+                                                  "for the run, as `local` does)")) -> None:
     """Measure the baseline, then stage every plugin in order: keep what helps, roll back the rest."""
     from orchestrator.lock import project_lock
     from orchestrator.loop import Interrupted, run as stage_all
@@ -169,36 +177,71 @@ def run(config: Optional[Path] = ConfigOpt,
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
     plugins = _plugins(project)
     only_ids, skip_ids = _ids(only), _ids(skip)
-    if reverify and (attribute or only_ids or skip_ids):
-        raise UserError("--reverify re-judges the kept plugins only; it takes no --attribute, --only or --skip")
+    if reverify and (attribute or only_ids or skip_ids or workers or ray_address):
+        raise UserError("--reverify re-judges the kept plugins only; it takes no --attribute, --only, --skip, "
+                        "--workers or --ray-address")
     unknown = (only_ids | skip_ids) - {p.id for p in plugins}
     if unknown:
         raise ConfigError(project.plugins_dir, "--only/--skip", f"unknown plugin id(s): {', '.join(sorted(unknown))}")
     project.target.check()
-    with project_lock(project):
-        store, journal = _open(project)
-        _recover(store, journal)
-        shutil.rmtree(project.state_dir / "tmp", ignore_errors=True)  # output files of processes a crash left
-        project.target.prepare()
+    if workers is not None:
+        project.policy = project.policy.model_copy(update={"workers": workers})
+    # before anything is written: a policy, an installation or a cluster that cannot give the workers changes nothing
+    pool = None if reverify else _pool(project, "--workers" if workers is not None else "policy.workers", ray_address)
+    try:
+        with project_lock(project):
+            store, journal = _open(project)
+            _recover(store, journal)
+            shutil.rmtree(project.state_dir / "tmp", ignore_errors=True)  # output files of processes a crash left
+            project.target.prepare()
 
-        def stop(signum, frame):
-            raise Interrupted(f"signal {signum}")
-        signal.signal(signal.SIGTERM, stop)
-        live = Live(console=console, transient=True, refresh_per_second=8) if console.is_terminal else None
-        stage = functools.partial(stage_all, project, plugins, store, journal, LiveReporter(live), only_ids, skip_ids,
-                                  attribute, reverify)
-        try:
-            if live:
-                with live:
+            def stop(signum, frame):
+                raise Interrupted(f"signal {signum}")
+            signal.signal(signal.SIGTERM, stop)
+            live = Live(console=console, transient=True, refresh_per_second=8) if console.is_terminal else None
+            stage = functools.partial(stage_all, project, plugins, store, journal, LiveReporter(live), only_ids,
+                                      skip_ids, attribute, reverify, pool)
+            try:
+                if live:
+                    with live:
+                        run_id = stage()
+                else:
                     run_id = stage()
-            else:
-                run_id = stage()
-        except (KeyboardInterrupt, Interrupted):
-            raise UserError("interrupted; the unfinished plugin was rolled back and the run recorded as interrupted")
-        data = status_data(store, run_id)
-        show_status(data)
-        if data["run"]["status"] != "finished":
-            raise UserError(f"run {run_id} {data['run']['status']}: {data['run']['detail']}")
+            except (KeyboardInterrupt, Interrupted):
+                raise UserError("interrupted; the unfinished plugin was rolled back and the run recorded as "
+                                "interrupted")
+            data = status_data(store, run_id)
+            show_status(data)
+            if data["run"]["status"] != "finished":
+                raise UserError(f"run {run_id} {data['run']['status']}: {data['run']['detail']}")
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _pool(project, field: str, address: Optional[str]):
+    """The run's screening workers on Ray (workers.py), or None: with one worker and no cluster named, Ray is not
+    even imported. ConfigError naming the option or field (`field`: where the number of workers came from) where
+    the policy, the installation or the cluster cannot give them."""
+    policy, config = project.policy, project.source or "<embedded default>"
+    where = COMMAND_LINE if field.startswith("--") else config
+    if policy.duet and policy.workers < 2:
+        raise ConfigError(config, "policy.duet", f"a duet measures each candidate on two workers; {field} is "
+                          f"{policy.workers}")
+    if policy.duet and not policy.interleave:
+        raise ConfigError(config, "policy.duet", "a duet takes pairs of samples: it needs interleave: true")
+    if policy.workers == 1 and address is None:
+        return None
+    try:
+        from orchestrator import workers
+    except ImportError as e:
+        raise ConfigError(where, field, f"{policy.workers} workers run on Ray, which cannot be imported here ({e}): "
+                          "install it with `pip install 'llm-deploy-orchestrator[ray]'`") from None
+    try:
+        return workers.connect(policy.workers, project.target.uses_gpu(), address, policy.duet)
+    except workers.Refused as e:
+        raise ConfigError(COMMAND_LINE if e.address else where, "--ray-address" if e.address else field,
+                          str(e)) from None
 
 
 @app.command()
@@ -273,7 +316,7 @@ BASELINE_SHOWN = ("score", "cpu_score", "output_throughput", "duration", "mean_t
 
 
 def show_status(data: dict) -> None:
-    from orchestrator.status import calibration_lines, revalidation_lines, steps_table
+    from orchestrator.status import calibration_lines, revalidation_lines, screening_line, steps_table
     if data["baseline"]:
         shown = {k: v for k, v in data["baseline"].items() if k in BASELINE_SHOWN} or data["baseline"]
         console.print("baseline: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()), highlight=False,
@@ -283,6 +326,8 @@ def show_status(data: dict) -> None:
     if data["steps"] or data["run"]["command"] != "calibrate":
         console.print(steps_table(data))
     for line in revalidation_lines(data):
+        console.print(line, highlight=False, soft_wrap=True)
+    if line := screening_line(data):
         console.print(line, highlight=False, soft_wrap=True)
 
 

@@ -1,6 +1,7 @@
 """orchestrator.yaml as pydantic models, the staging policy, and the embedded default config."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,6 +113,15 @@ class Project:
     @property
     def db_path(self) -> Path:
         return self.state_dir / "orchestrator.db"
+
+    def relocated(self, roots: dict[str, Path], state_dir: Path) -> "Project":
+        """This project as a screening worker runs it: the named roots in its own copies, its own history, blobs and
+        temporary files in `state_dir`; probes and servers of the target read the copies."""
+        moved = copy.copy(self)
+        moved.state_dir = state_dir
+        moved.target = self.target.relocated(roots)
+        moved.probes = moved._probes()
+        return moved
 
 
 def load(path: Path | None = None, cwd: Path | None = None, engine: dict[str, Any] | None = None) -> Project:

@@ -45,6 +45,8 @@ class RunContext:
     pairing: str = "sequential"
     # the live servers of the "sleeping" pairing, one awake at a time (state_server.py)
     sleepers: list = field(default_factory=list)
+    # a screening worker's partner in a duet (pairing.Duet): it samples the arm this worker does not
+    partner: Any = None
 
     @property
     def kind(self) -> str:

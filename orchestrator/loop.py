@@ -19,6 +19,7 @@ from orchestrator.plugin import Plugin
 from orchestrator.prober import BaselineFailed, EnvironmentFailed, Prober
 from orchestrator.recovery import recover
 from orchestrator.restack import Restack
+from orchestrator.screening import Screening
 from orchestrator.stage import Stager
 from orchestrator.store import Store
 
@@ -33,9 +34,10 @@ class Interrupted(BaseException):
 
 def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal, reporter: Reporter | None = None,
         only: set[str] | None = None, skip: set[str] | None = None, attribute: bool = False,
-        reverify: bool = False) -> int:
+        reverify: bool = False, pool=None) -> int:
     """Stage the plugins, then re-validate the stack this run kept (and, with `attribute`, each plugin's share);
-    `reverify` instead re-judges the kept plugins whose decisions were measured in another environment.
+    `reverify` instead re-judges the kept plugins whose decisions were measured in another environment. With a
+    `pool` of workers (workers.py), independent candidates are screened on them first (screening.py).
     Returns the run's id."""
     # Everything imported and loaded so far lives as long as the run: frozen, the collector's full passes skip it
     # and stay short (unfrozen, one took 0.2 s on a busy 2-core machine), so no pause falls between starting a
@@ -49,6 +51,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
         if prober.throughput else None
     stager = Stager(ctx, prober, kept, deployment, noise)
     restack = Restack(ctx, prober, kept, deployment, plugins, noise)
+    screening = Screening(stager, pool, plugins) if pool is not None else None
     try:
         try:
             if reverify:
@@ -56,18 +59,19 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
             else:
                 chain = continued(store, ctx.run_id)
                 earlier = {} if only else decided(store, chain)
-                stager.settle(plugins, {p.id for p in plugins if not ((only and p.id not in only)
-                                                                       or (skip and p.id in skip)) and p.id not in earlier})
+                chosen = [p for p in plugins if not ((only and p.id not in only) or (skip and p.id in skip))]
+                stager.settle(plugins, {p.id for p in chosen if p.id not in earlier})
                 stager.baseline()
                 if noise is None and project.policy.calibrate and prober.throughput:
                     stager.noise = restack.noise = calibrated(ctx, prober, kept)
-                for plugin in plugins:
-                    if (only and plugin.id not in only) or (skip and plugin.id in skip):
-                        continue
-                    if plugin.id in earlier:
-                        stager.decided_earlier(plugin, earlier[plugin.id])
-                    else:
-                        stager.stage(plugin)
+                if screening is not None:
+                    screening.stage(chosen, earlier)
+                else:
+                    for plugin in chosen:
+                        if plugin.id in earlier:
+                            stager.decided_earlier(plugin, earlier[plugin.id])
+                        else:
+                            stager.stage(plugin)
                 kept_steps = deployment.kept_by([*chain, ctx.run_id])
                 if prober.throughput and kept_steps:
                     restack.revalidate(kept_steps)
@@ -156,7 +160,7 @@ def decided(store: Store, chain: list[int]) -> dict[str, list[dict]]:
     for run_id in chain:
         attempts: dict[str, list[dict]] = {}
         for s in store.steps(run_id):
-            if s["kind"] == "attempt" and s["outcome"] in ("kept", "rolled_back"):
+            if s["kind"] in ("attempt", "screening") and s["outcome"] in ("kept", "rolled_back"):
                 attempts.setdefault(s["plugin"], []).append(s)
         for plugin_id, steps in attempts.items():
             if all(s["outcome"] == "rolled_back" and s["reason"] not in CUT_SHORT for s in steps):

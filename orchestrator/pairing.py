@@ -15,6 +15,10 @@ the judge decides.
   alike.
 - `Reused`: `interleave: false`: the kept state's samples reused as the baseline arm, the candidate's taken one
   after the other (Welch's interval).
+- `Duet`: a screening worker and its partner (screening.py, policy `duet`), each with both states in a folder of
+  its own and a GPU of its own: both samples of a pair at once from one agreed instant, the kept state on one
+  worker and the candidate on the other, swapped every pair, so that drift cancels as in `simultaneous` and the
+  two cards' difference cancels over the pairs.
 
 Pairs come in blocks of `pairs_per_start` on the same servers; each further block starts fresh servers for both
 arms, so that the servers' start effects, which no pair cancels, vary between blocks and the judge counts them
@@ -26,7 +30,7 @@ import os
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Protocol
 
 from orchestrator import decide
 from orchestrator.context import RunContext
@@ -259,6 +263,78 @@ class Together(Pairing):
         return {arm: f.result() for arm, f in futures.items()}
 
 
+class Side:
+    """One worker's part of a duet: both states in its folder, one sampled at a time, each on a live server of its
+    own where the target's servers can live side by side (`pinned`: the run's pairing), else on the server of the
+    state on disk."""
+
+    def __init__(self, prober: Prober, arms: dict[str, Arm], on_disk: str, pinned: str | None):
+        self.prober = prober
+        self.arms = arms
+        self.on_disk = on_disk
+        if pinned is not None:
+            for arm in arms.values():
+                if arm.server is None or arm.server.pinned != pinned:
+                    arm.server = StateServer(prober.run, pinned=pinned)
+
+    def sample(self, step_id: int | None, label: str, n: int, name: str, start_at: float) -> Sample:
+        arm = self.arms[label]
+        if (arm.server is None or not arm.server.up) and self.on_disk != label:
+            arm.put_on_disk()  # where its server starts, or the disk's server serves it
+            self.on_disk = label
+        return self.prober.sample(step_id, arm, label, n, name, {START_AT_ENV: f"{start_at:.3f}"})
+
+    def restart(self) -> None:
+        """Fresh servers for the next block: each starts again at its arm's next sample."""
+        for arm in self.arms.values():
+            if arm.server is not None:
+                arm.server.stop()
+        self.prober.release()
+
+
+class Partner(Protocol):
+    """The other worker of a duet, as the worker that judges sees it (workers.py)."""
+
+    def ready(self, pinned: str | None) -> None:
+        """Once its copy holds both states, each to be served as `pinned` says (Side); EnvironmentFailed where it
+        cannot."""
+
+    def sample(self, label: str, n: int, start_at: float) -> Callable[[], Sample]:
+        """Start a sample of one arm there; the callable waits for it (ArmFailed: the candidate's failure there,
+        EnvironmentFailed: the worker's)."""
+
+    def restart(self) -> None:
+        """Its servers stopped: the next block starts fresh ones."""
+
+
+class Duet(Pairing):
+    """Both samples of a pair at once, one on this worker and one on its partner: the kept state here and the
+    candidate there at even pairs, the other way round at odd ones."""
+
+    mode = "duet"
+
+    def __init__(self, prober: Prober, policy: Policy, noise: Noise | None, partner: Partner, pinned: str | None):
+        super().__init__(prober, policy, noise)
+        self.partner = partner
+        self.pinned = pinned
+
+    def begin(self, step_id, name, base, cand):
+        self.side = Side(self.prober, {"baseline": base, "candidate": cand}, "candidate", self.pinned)
+        self.partner.ready(self.pinned)
+
+    def new_block(self, step_id, n, name, base, cand):
+        self.side.restart()
+        self.partner.restart()
+
+    def pair(self, step_id, n, name, base, cand):
+        start_at = time.time() + SIMULTANEOUS_LEAD
+        here, there = ("baseline", "candidate") if n % 2 == 0 else ("candidate", "baseline")
+        theirs = self.partner.sample(there, n, start_at)
+        mine = self.side.sample(step_id, here, n, name, start_at)
+        other = theirs()
+        return (mine, other) if here == "baseline" else (other, mine)
+
+
 class Reused(Pairing):
     """`interleave: false`: the kept state's samples (taken once, `repeats` of them) against candidate samples
     added one at a time; the rule `first` takes `repeats` of each."""
@@ -297,6 +373,8 @@ def choose(prober: Prober, policy: Policy, noise: Noise | None, kept_samples: li
     if not policy.interleave:
         return Reused(prober, policy, kept_samples)
     mode = prober.run.pairing
+    if prober.run.partner is not None:
+        return Duet(prober, policy, noise, prober.run.partner, None if one_at_a_time or mode == "sequential" else mode)
     if mode == "sequential" or one_at_a_time or not any(prober.serves(s) for s in prober.throughput):
         return Sequential(prober, policy, noise)
     return Together(prober, policy, noise, mode)

@@ -40,6 +40,11 @@ class Policy(BaseModel):
     pairs_per_start: Optional[int] = Field(None, ge=1)
     max_starts: int = Field(3, ge=1, le=MAX_SAMPLES)
     calibrate: Optional[Calibrate] = None
+    # Screening (screening.py): with more than one worker, independent candidates are measured at the same time,
+    # each on a Ray worker of its own, and what they find is confirmed on the target; `duet`: each candidate on two
+    # workers at once, the kept state on one and the candidate on the other, swapped every pair.
+    workers: int = Field(1, ge=1, le=MAX_SAMPLES)
+    duet: bool = False
 
     @field_validator("repeats", "min_pairs", "max_pairs")
     @classmethod
@@ -64,9 +69,11 @@ class Policy(BaseModel):
         return Policy.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
 
 
-# Every policy field, optional: the per-plugin `accept:` block.
+RUN_WIDE = ("workers", "duet")  # how a run spreads its work, not how one plugin is judged
+
+# Every policy field but the run-wide ones, optional: the per-plugin `accept:` block.
 Accept = create_model(
     "Accept",
     __config__=STRICT,
-    **{name: (Optional[f.annotation], None) for name, f in Policy.model_fields.items()},
+    **{name: (Optional[f.annotation], None) for name, f in Policy.model_fields.items() if name not in RUN_WIDE},
 )

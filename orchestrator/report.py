@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
 from orchestrator.fingerprint import environment
-from orchestrator.status import wake_line
+from orchestrator.status import screening_line, screening_of, wake_line
 from orchestrator.store import Reader, label, loads
 
 
@@ -58,7 +58,8 @@ def _objective_samples(rows: list[dict]) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {}
     for row in rows:
         if row.get("role") == "throughput" and row.get("ok") and row.get("value") is not None:
-            samples.setdefault(row.get("arm") or "?", []).append(row["value"])
+            arm = (row.get("arm") or "?") + (f" on {row['worker']}" if row.get("worker") else "")
+            samples.setdefault(arm, []).append(row["value"])
     return samples
 
 
@@ -75,13 +76,14 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
         decisions = store.decisions_for(s["id"] for s in steps)
         servers = store.servers(run_id)
         calibration = store.calibration_of(run_id)
+        screenings = store.screenings(run_id)
         switches = store.events(run_id, SWITCHES)
         stages, objective = [], None
         for step in steps:
             row = decisions.get(step["id"])
             measurements = store.measurements(step["id"], run_id)
             prints = [loads(m["fingerprint"]) for m in measurements if m.get("fingerprint")]
-            stage = Stage(label(step), step["kind"], step["outcome"], step["reason"], step["detail"],
+            stage = Stage(label(step) + (" (screened)" if step["kind"] == "screening" else ""), step["kind"], step["outcome"], step["reason"], step["detail"],
                           loads(step["params"]), step["duration"], samples=_objective_samples(measurements),
                           fingerprint=prints[-1] if prints else None,
                           starts=[p["ready"] - p["started"] for p in servers if p["step_id"] == step["id"]
@@ -102,6 +104,8 @@ def load(db_path: Path, run_id: int) -> tuple[dict, dict[str, list[float]], list
         store.close()
     if calibration is not None:
         run = {**run, "calibration": calibration}
+    if screenings:
+        run = {**run, "screening": screening_of(screenings)}
     return run, baseline, stages, objective
 
 
@@ -210,6 +214,9 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
         verdict = "beats" if final.decision.get("verdict") == "keep" else "is NOT better than"
         out.append(f"Final re-validation: the kept stack as a whole {verdict} the run's baseline "
                    f"({_pct(final.decision.get('gain'))}); rows `(without X)` give each plugin's contribution.")
+    if (line := screening_line(run)) is not None:
+        out.append(line[0].upper() + line[1:] + "; the samples below name the worker that measured each "
+                   "(`candidate on w1`), and steps of kind `screening` are those a worker judged.")
     if (c := run.get("calibration")) is not None:
         summary = loads(c["summary"]) or {}
         sim = summary.get("simulated") or {}

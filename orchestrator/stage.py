@@ -124,16 +124,24 @@ class Stager:
 
     def stage(self, plugin: Plugin) -> None:
         """Skip it, find it already applied, or attempt every params combination and keep the best candidate."""
+        if self.checked(plugin):
+            self.choose(plugin, plugin.variants)
+
+    def checked(self, plugin: Plugin) -> bool:
+        """`ready`, an unforeseen error in its checks failing this plugin only."""
         try:
-            if not self.ready(plugin):
-                return
+            return self.ready(plugin)
         except Exception as e:
             if not plugins_own(e):
                 raise
-            return self.unexpected(plugin, None, e)
+            self.unexpected(plugin, None, e)
+            return False
+
+    def choose(self, plugin: Plugin, variants: list[Variant]) -> int | None:
+        """Attempt these params combinations and keep the best candidate; the kept step, if any."""
         candidates: list[Candidate] = []
         try:
-            for variant in plugin.variants:
+            for variant in variants:
                 try:
                     candidate = self.attempt(plugin, variant)
                 except Exception as e:
@@ -152,20 +160,24 @@ class Stager:
                                        "not chosen: the run stopped on an environment failure")
             raise
         if not candidates:
-            return
+            return None
         best = max(candidates, key=lambda c: c.gain)
         for c in candidates:
             if c is not best:
-                self.store.finish_step(c.step_id, "rolled_back", "outperformed",
-                                       f"another candidate gained more (step {best.step_id})")
                 d = c.verdict.decision
-                self.reporter.outcome(plugin.id, "rolled_back", "outperformed", d.gain if d else None)
+                self.outperformed(plugin, c.step_id, best.step_id, d.gain if d else None)
         self.keep(plugin, best)
+        return best.step_id
+
+    def outperformed(self, plugin: Plugin, step_id: int, best: int, gain: float | None, **fields) -> None:
+        self.store.finish_step(step_id, "rolled_back", "outperformed", f"another candidate gained more (step {best})",
+                               **fields)
+        self.reporter.outcome(plugin.id, "rolled_back", "outperformed", gain)
 
     def unexpected(self, plugin: Plugin, variant: Variant | None, error: Exception) -> None:
         """An error nothing foresaw (a bug, an odd file) fails this plugin only: its open step is rolled back with
         the reason of the phase it was in and a one-line description; the traceback goes to the events."""
-        step = next((s for s in self.store.open_steps() if s["run_id"] == self.run.run_id
+        step = next((s for s in self.store.open_steps() if s["run_id"] == self.run.run_id and s["kind"] == "attempt"
                      and s["plugin"] == plugin.id and s["state"] != "candidate"), None)
         what = " ".join(f"{type(error).__name__}: {error}".split())[:500]
         if step is None or variant is None:

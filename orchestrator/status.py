@@ -57,6 +57,7 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
     run = shown(store, run)
     steps = store.steps(run["id"])
     decisions = store.decisions_for(s["id"] for s in steps)
+    workers = store.workers_of(run["id"])
     current = environment() if any(s["outcome"] == "kept" for s in steps) else {}
     out_steps, final, attribution, blocks = [], None, [], []
     for s in steps:
@@ -72,6 +73,10 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
             item["decision"].update(starts=full.get("starts"), between=full.get("between"),
                                     min_gain=full.get("min_gain"), notes=full.get("notes") or [])
             item["decision"]["vetoes"] = loads(d["vetoes"]) or []
+        if s["kind"] == "screening":
+            item["kind"] = "screening"
+        if s["id"] in workers:
+            item["workers"] = workers[s["id"]]
         if s["kind"] == "calibration":
             blocks.append(item)
         elif s["kind"] == "final":
@@ -91,7 +96,28 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
         out["attribution"] = attribution
     if (calibration := calibration_of(store, run["id"], blocks)) is not None:
         out["calibration"] = calibration
+    if screenings := store.screenings(run["id"]):
+        out["screening"] = screening_of(screenings)
     return out
+
+
+def screening_of(rows: list[dict]) -> dict[str, Any]:
+    """A run's screenings on workers: how many candidates on how many workers, the seconds they took with the
+    staging of what they found, the seconds one worker would have spent measuring them in turn, and the difference."""
+    took = sum(r["finished"] - r["started"] for r in rows)
+    alone = sum(r["busy"] or 0 for r in rows)
+    return {"groups": len(rows), "candidates": sum(r["candidates"] for r in rows),
+            "workers": max(r["workers"] for r in rows), "seconds": took, "one_worker_seconds": alone,
+            "saved_seconds": alone - took}
+
+
+def screening_line(data: dict[str, Any]) -> str | None:
+    s = data.get("screening")
+    if not s:
+        return None
+    return (f"screening: {s['candidates']} candidates in {s['groups']} group(s) on {s['workers']} workers took "
+            f"{s['seconds']:.0f} s with the staging of what they found, against {s['one_worker_seconds']:.0f} s of "
+            f"measuring them on one worker in turn: {s['saved_seconds']:.0f} s saved")
 
 
 def calibration_of(store: Reader, run_id: int, blocks: list[dict]) -> dict[str, Any] | None:
@@ -208,6 +234,9 @@ def steps_table(data: dict[str, Any]) -> Table:
     table.add_column("s", justify="right", no_wrap=True)
     stale = any(s.get("stale") for s in data["steps"])
     controls = any(s.get("control") for s in data["steps"])
+    workers = any(s.get("workers") for s in data["steps"])
+    if workers:
+        table.add_column("worker", overflow="fold")
     if stale:
         table.add_column("stale", overflow="fold")
     if controls:
@@ -222,6 +251,8 @@ def steps_table(data: dict[str, Any]) -> Table:
         pairs = "" if d.get("n_candidate") is None or d.get("rule") == "configuration" else str(d["n_candidate"])
         row = [name, f"[{style.get(outcome, 'cyan')}]{OUTCOMES.get(outcome, outcome)}[/]", escape(s["reason"] or ""),
                _gain(s), pairs, "" if s["duration"] is None else f"{s['duration']:.0f}"]
+        if workers:
+            row.append(escape(", ".join(s.get("workers", []))))
         if stale:
             row.append(f"[yellow]stale: {escape(s['stale_because'])}[/]" if s.get("stale") else "")
         if controls:

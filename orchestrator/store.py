@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS deployed (
 CREATE TABLE IF NOT EXISTS measurements (
   id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, probe TEXT, role TEXT, arm TEXT, repeat INTEGER,
   ok INTEGER, reason TEXT, value REAL, metrics TEXT, duration REAL, returncode INTEGER,
-  stdout_tail TEXT, stderr_tail TEXT, fingerprint TEXT, at REAL, server INTEGER);
+  stdout_tail TEXT, stderr_tail TEXT, fingerprint TEXT, at REAL, server INTEGER, worker TEXT);
 CREATE INDEX IF NOT EXISTS measurements_step ON measurements(run_id, step_id);
 CREATE TABLE IF NOT EXISTS decisions (
   id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER REFERENCES steps(id), objective TEXT, verdict TEXT,
@@ -56,16 +56,20 @@ CREATE TABLE IF NOT EXISTS calibrations (
   id INTEGER PRIMARY KEY, run_id INTEGER REFERENCES runs(id), objective TEXT, pairing TEXT, starts INTEGER,
   pairs INTEGER, within_sd REAL, between_sd REAL, between_df INTEGER, start_seconds REAL, pair_seconds REAL,
   summary TEXT, fingerprint TEXT, at REAL);
+CREATE TABLE IF NOT EXISTS screenings (
+  id INTEGER PRIMARY KEY, run_id INTEGER REFERENCES runs(id), workers INTEGER, candidates INTEGER, started REAL,
+  finished REAL, busy REAL);
 """
 
 
 
 # What a step is: a plugin staged (`attempt`), the re-validation of the stack a run kept (`final`, its `plugin`
 # is "(final)"), the stack without one kept plugin (`attribution`, `plugin` is the one left out), a kept plugin
-# re-judged by `run --reverify` (`reverify`), a kept plugin undone by `rollback` (`rollback`), or one block of an
-# A/A calibration (`calibration`, its `plugin` is "(A/A N)"). `control`
-# holds the result of re-running a probe the candidate failed on the last kept state (JSON), if one was run.
-STEP_KINDS = ("attempt", "final", "attribution", "reverify", "rollback", "calibration")
+# re-judged by `run --reverify` (`reverify`), a kept plugin undone by `rollback` (`rollback`), one block of an
+# A/A calibration (`calibration`, its `plugin` is "(A/A N)"), or a candidate measured on a screening worker against
+# its own copy of the kept state (`screening`: rolled back there, or `measured` and then staged as an attempt).
+# `control` holds the result of re-running a probe the candidate failed on the last kept state (JSON), if one was run.
+STEP_KINDS = ("attempt", "final", "attribution", "reverify", "rollback", "calibration", "screening")
 
 # Databases of schema version 0 name re-measurement steps "(final)" and "(without ID)" and have no kind: a run
 # is a re-verification when one of its steps carries a mark only re-verification leaves (its rolled-back steps
@@ -119,7 +123,14 @@ def _v5_servers(conn: sqlite3.Connection, state_dir: Path) -> None:
     conn.execute("ALTER TABLE processes ADD COLUMN ready REAL")
 
 
-MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots, _v4_path_images, _v5_servers]  # version v to v + 1
+def _v6_workers(conn: sqlite3.Connection, state_dir: Path) -> None:
+    """Samples name the screening worker that measured them (NULL: the command itself), and each screening of a run
+    gets a row (a table created with the rest of the schema)."""
+    conn.execute("ALTER TABLE measurements ADD COLUMN worker TEXT")
+
+
+MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots, _v4_path_images, _v5_servers,
+              _v6_workers]  # version v to v + 1
 VERSION = len(MIGRATIONS)
 # Step columns added since version 0, as a reader shows them in an older database.
 _ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
@@ -163,6 +174,10 @@ def bounded_metrics(metrics: Any, limit: int = 4 * MAX_TEXT) -> str | None:
         return bounded(text, limit)
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return bounded(dumps({**numbers, "cut": f"{len(text)} characters of JSON; only its numbers are kept"}), limit)
+
+
+def _without(row: dict, *keys: str) -> dict:
+    return {k: v for k, v in row.items() if k not in keys}
 
 
 def dumps(value: Any) -> str | None:
@@ -377,6 +392,28 @@ class Reader:
     def calibration_of(self, run_id: int) -> dict | None:
         return next((c for c in self.calibrations() if c["run_id"] == run_id), None)
 
+    def recorded(self) -> dict[str, list[dict]]:
+        """Every process, measurement, decision and event: what a screening worker's own history holds of its step."""
+        return {table: self.query(f"SELECT * FROM {table} ORDER BY id")
+                for table in ("processes", "measurements", "decisions", "events")}
+
+    def screenings(self, run_id: int) -> list[dict]:
+        """A run's screenings, oldest first (none in a database older than schema version 6)."""
+        if not self.query("SELECT 1 FROM sqlite_master WHERE name = 'screenings'"):
+            return []
+        return self.query("SELECT * FROM screenings WHERE run_id = ? ORDER BY id", [run_id])
+
+    def workers_of(self, run_id: int) -> dict[int, list[str]]:
+        """{step id: the screening workers that measured its samples, in the order they first did}."""
+        if "worker" not in {r["name"] for r in self.query("PRAGMA main.table_info(measurements)")}:
+            return {}
+        out: dict[int, list[str]] = {}
+        for r in self.query("SELECT step_id, worker FROM measurements WHERE run_id = ? AND worker IS NOT NULL "
+                            "ORDER BY id", [run_id]):
+            if r["worker"] not in out.setdefault(r["step_id"], []):
+                out[r["step_id"]].append(r["worker"])
+        return out
+
     def servers(self, run_id: int) -> list[dict]:
         """The live servers a run started (processes rows), oldest first."""
         return self.query("SELECT * FROM processes WHERE run_id = ? AND what LIKE 'live server%' ORDER BY id",
@@ -553,6 +590,30 @@ class Store(Reader):
     def process_ready(self, proc_id: int) -> None:
         """A live server answered its first health check."""
         self._db["processes"].update(proc_id, {"ready": time.time()})
+
+    def add_measured(self, run_id: int, step_id: int, worker: str, processes: list[dict], measurements: list[dict],
+                     decisions: list[dict] = (), events: list[dict] = ()) -> dict[int, int]:
+        """What a screening worker recorded of one step in its own history, as this step's: its processes (new ids;
+        returns {its id: id here}), its measurements (each sample's server mapped, its worker named: `worker` where
+        the row names none), decisions and events. In one commit."""
+        ids: dict[int, int] = {}
+        with self.transaction():
+            for row in processes:
+                ids[row["id"]] = self._db["processes"].insert(
+                    {**_without(row, "id"), "run_id": run_id, "step_id": step_id}).last_pk
+            for row in measurements:
+                self._db["measurements"].insert({**_without(row, "id"), "run_id": run_id, "step_id": step_id,
+                                                 "server": ids.get(row["server"]), "worker": row.get("worker") or worker})
+            for row in decisions:
+                self._db["decisions"].insert({**_without(row, "id"), "run_id": run_id, "step_id": step_id})
+            for row in events:
+                self._db["events"].insert({**_without(row, "id"), "run_id": run_id, "step_id": step_id})
+        return ids
+
+    def add_screening(self, run_id: int, workers: int, candidates: int, started: float, busy: float) -> None:
+        """A screening ended: `busy`, the seconds one worker would have spent measuring its candidates in turn."""
+        self._db["screenings"].insert(dict(run_id=run_id, workers=workers, candidates=candidates, started=started,
+                                           finished=time.time(), busy=busy))
 
     def add_calibration(self, run_id: int, **fields: Any) -> int:
         fields["summary"] = dumps(fields.get("summary"))

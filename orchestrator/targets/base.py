@@ -44,6 +44,19 @@ class Target:
     def vars(self) -> dict[str, str]:
         return {}
 
+    def relocated(self, roots: dict[str, Path]) -> "Target":
+        """The same target with the named roots in other folders (a screening worker's copies of them); the others
+        stay where they are, and so does the state folder it reads (the baseline's reference outputs)."""
+        return type(self)(self.config.model_copy(update=self.moved(roots)), self.base_dir, self.state_dir, self.source)
+
+    def moved(self, roots: dict[str, Path]) -> dict[str, Any]:
+        """The config fields that put the named roots at these folders."""
+        raise NotImplementedError
+
+    def uses_gpu(self) -> bool:
+        """Whether its servers and probes run on a GPU: a screening worker then takes one (screening.py)."""
+        return False
+
     def check(self) -> None:
         """Refuse, before anything is written (the state folder included), what `prepare()` could not do."""
 

@@ -120,6 +120,13 @@ class EngineTarget(Target):
     def vars(self) -> dict[str, str]:
         return {"serve_config": SERVE_CONFIG}
 
+    def moved(self, roots: dict[str, Path]) -> dict:
+        folder = roots.get("workspace") or roots.get("serve")  # both roots are the workspace
+        return {"workspace": str(folder)} if folder else {}
+
+    def uses_gpu(self) -> bool:
+        return self.on_gpu()
+
     @property
     def reference_path(self) -> Path:
         """Greedy completions of the baseline, recorded by the first correctness probe."""

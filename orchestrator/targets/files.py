@@ -31,6 +31,7 @@ class FilesConfig(TargetConfig):
     root: str = "target"
     copy_from: str | None = None  # a folder copied to `root` by prepare() when `root` does not exist yet
     server: ServerSpec | None = None
+    gpu: bool = False  # its server and probes run on a GPU: each screening worker takes one
 
 
 class FilesTarget(Target):
@@ -40,6 +41,12 @@ class FilesTarget(Target):
     @property
     def roots(self) -> dict[str, Path]:
         return {"target": self.resolve(self.config.root)}
+
+    def moved(self, roots: dict[str, Path]) -> dict:
+        return {"root": str(roots["target"])} if "target" in roots else {}
+
+    def uses_gpu(self) -> bool:
+        return self.config.gpu
 
     def check(self) -> None:
         root = self.roots["target"]

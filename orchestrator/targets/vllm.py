@@ -113,6 +113,17 @@ class VllmTarget(Target):
     def vars(self) -> dict[str, str]:
         return {"serve_config": self.serve_config.name}
 
+    def moved(self, roots: dict[str, Path]) -> dict:
+        fields = {}
+        if "vllm" in roots:  # a copy of the package folder, imported through PYTHONPATH (env)
+            fields["package"] = str(roots["vllm"])
+        if "serve" in roots:
+            fields["serve_config"] = str(roots["serve"] / self.serve_config.name)
+        return fields
+
+    def uses_gpu(self) -> bool:
+        return True
+
     def check(self) -> None:
         """Fails early, naming the field, when the package or the serve config is not usable."""
         package = self.package
