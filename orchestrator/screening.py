@@ -78,17 +78,17 @@ class Screening:
                 for plugin in ready:
                     self.stager.choose(plugin, plugin.variants)
                 continue
-            started, self.busy = time.time(), 0.0
+            started, workers, self.busy = time.time(), self.pool.size, 0.0
             found: dict[str, Found] = {p.id: Found() for p in ready}
             try:
                 self.screen(jobs, found)
                 for plugin in ready:
                     self.confirm(plugin, found[plugin.id])
             except EnvironmentFailed:
-                self.close(found)
+                self.close(found, "not staged on the target: the run stopped")
                 raise
             finally:
-                self.store.add_screening(self.run.run_id, self.pool.size, len(jobs), started, self.busy)
+                self.store.add_screening(self.run.run_id, workers, len(jobs), started, self.busy)
                 shutil.rmtree(self.run.project.state_dir / SCREENING, ignore_errors=True)  # all of it is recorded
 
     def job(self, plugin: Plugin, variant: Variant) -> Job:
@@ -110,12 +110,12 @@ class Screening:
             self.pool.submit(job)
         try:
             while self.pool.pending():
-                job, probes, worker, result = self.pool.next(lambda elapsed: self.run.tick(elapsed, ""))
+                job, probes, slot, result = self.pool.next(lambda elapsed: self.run.tick(elapsed, ""))
                 if isinstance(result, Checked):
                     self.controlled(job, lost.pop(job.key), result, found[job.plugin_id])
                     continue
                 self.busy += getattr(result, "busy", 0.0)
-                step_id = self.record(job, worker, result)
+                step_id = self.record(job, getattr(result, "worker", slot), result)
                 if isinstance(result, Screened) and result.failed is None:
                     if result.passed:
                         found[job.plugin_id].passed.append((result.step["gain"] or 0.0, job.variant, step_id,
@@ -123,11 +123,15 @@ class Screening:
                     continue
                 lost[job.key] = step_id
                 probes = getattr(result, "probes", [])
-                if self.pool.others(worker):
-                    self.pool.submit(job, probes, avoid=worker)
+                if self.pool.others(slot):
+                    self.pool.submit(job, probes, avoid=slot)
                 else:
                     controls.append((job, probes))
-            controls += [(job, probes or []) for job, probes in self.pool.stranded()]
+            for job, probes in self.pool.stranded():  # no worker is left to run them
+                if probes is None:
+                    found[job.plugin_id].unscreened.append(job.variant)
+                else:
+                    controls.append((job, probes))
         except BaseException:
             self.pool.cancel()
             raise
@@ -204,8 +208,11 @@ class Screening:
     def confirm(self, plugin: Plugin, found: Found) -> None:
         """Stage on the target what screening found: the combinations a worker would keep, best first, until one is
         kept (the rest are then outperformed), with those no worker could judge."""
-        if not (found.passed or found.unscreened) or not self.stager.checked(plugin):
-            return  # `checked`: a plugin kept meanwhile may have changed what this one needs
+        if not (found.passed or found.unscreened):
+            return
+        if not self.stager.checked(plugin):  # a plugin kept meanwhile changed what this one needs
+            return self.close({plugin.id: found}, "not staged on the target: the plugin is skipped there (its step "
+                              "says why)", "measured", "screened")
         found.passed.sort(key=lambda p: p[0], reverse=True)
         kept = None
         while kept is None and (found.passed or found.unscreened):
@@ -220,10 +227,11 @@ class Screening:
             self.stager.outperformed(plugin, step_id, kept, gain, finished=ended)
         found.passed = []
 
-    def close(self, found: dict[str, Found]) -> None:
-        """Screened steps the run leaves unstaged, as it stops on an environment failure."""
+    def close(self, found: dict[str, Found], why: str, outcome: str = "rolled_back",
+              reason: str = "environment_failed") -> None:
+        """Screened steps left unstaged (the run stops on an environment failure, or the plugin is skipped)."""
         for f in found.values():
             for _, _, step_id, ended in f.passed:
-                self.store.finish_step(step_id, "rolled_back", "environment_failed",
-                                       "not staged on the target: the run stopped", finished=ended)
+                detail = self.store.step(step_id)["detail"]
+                self.store.finish_step(step_id, outcome, reason, f"{detail}; {why}", finished=ended)
             f.passed = []

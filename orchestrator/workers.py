@@ -56,7 +56,7 @@ class RemoteSide:
         try:
             return ray.get(ref)
         except GONE as e:
-            raise EnvironmentFailed(f"the partner worker {self.name} died: {_first_line(e)}") from None
+            raise EnvironmentFailed(f"the partner worker {self.name} died: {_gist(e)}") from None
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
             raise cause from None
@@ -214,9 +214,9 @@ class Pool:
         try:
             result = ray.get(done[0])
         except GONE as e:
-            result = Lost(slot.name, _first_line(e), True)
+            result = Lost(slot.name, _gist(e), True)
         except RayTaskError as e:
-            result = Lost(slot.name, _first_line(e.cause if e.cause is not None else e), False)
+            result = Lost(slot.name, _gist(e.cause if e.cause is not None else e), False)
         if isinstance(result, Lost) or getattr(result, "failed", None):
             sweep_mark(job.mark)
             self.slots.remove(slot)
@@ -239,9 +239,10 @@ class Pool:
         ray.shutdown()
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return " ".join(text[-1:] or [type(error).__name__])[:300]
+def _gist(error: BaseException) -> str:
+    """What an error says first: Ray's go on for lines of advice."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text.split(". ")[0][:300]
 
 
 def _reachable(address: str) -> None:
@@ -268,12 +269,12 @@ def connect(workers: int, gpus: bool, address: str | None, duet: bool) -> Pool:
     started_here = address in (None, LOCAL)
     try:
         if started_here:
-            ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+            ray.init(address=LOCAL, num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
                      object_store_memory=100 << 20, **options)
         else:
             ray.init(address=address, **options)
     except Exception as e:  # noqa: BLE001 - whatever Ray says, nothing of the run has started
-        raise Refused(f"cannot {'start' if started_here else 'join'} a Ray cluster: {_first_line(e)}",
+        raise Refused(f"cannot {'start' if started_here else 'join'} a Ray cluster: {_gist(e)}",
                       address=not started_here) from None
     resource = "GPU" if gpus else "CPU"
     have = int(ray.cluster_resources().get(resource, 0))
