@@ -116,7 +116,7 @@ def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_rest
         d = decide.Judge(policy, noise).decide(block["base"], block["cand"], final=True, starts=starts)
         outcome, reason = decide.outcome(d, (), policy)
         kept += outcome == "kept"
-        run.store.add_decision(run.run_id, block["step"], prober.objective, d.to_dict(), [], policy.model_dump())
+        run.store.add_decision(run.run_id, block["step"], prober.objective, d.to_dict(), [], policy.judging())
         run.store.finish_step(block["step"], "measured", None if outcome == "kept" else reason,
                               f"A/A: the state against itself on a fresh server: {d.verdict}, gain {d.gain:+.2%}"
                               + (f" [{d.ci_low:+.2%}, {d.ci_high:+.2%}]" if d.ci_low is not None else ""),

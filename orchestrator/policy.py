@@ -63,6 +63,10 @@ class Policy(BaseModel):
             parse_guardrails(self.guardrails)
         return self
 
+    def judging(self) -> dict:
+        """The fields a decision is taken under, as the history records them with it."""
+        return self.model_dump(exclude=set(RUN_WIDE))
+
     def merged(self, overrides: "Accept | None") -> "Policy":
         if overrides is None:
             return self

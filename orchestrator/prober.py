@@ -271,7 +271,7 @@ class Prober:
     def record(self, verdict: Verdict, policy, vetoes: Sequence[str] = ()) -> None:
         """Store the decision, the policy it was taken under and any guardrail vetoes."""
         self.store.add_decision(self.run.run_id, verdict.step_id, self.objective, verdict.decision.to_dict(),
-                                list(vetoes), policy.model_dump())
+                                list(vetoes), policy.judging())
 
 
 def numbers(v: Verdict) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from orchestrator.pairing import Side
 from orchestrator.plugin import Plugin, Variant
 from orchestrator.prober import Arm, ArmFailed, EnvironmentFailed, Prober, Sample, failure
 from orchestrator.probes.marks import MARK, new_mark, scoped
-from orchestrator.stage import Stager
+from orchestrator.stage import Stager, plugins_own
 from orchestrator.steps import apply_all
 from orchestrator.store import Reader, Store, loads
 
@@ -179,6 +179,10 @@ def screen(job: Job, worker: str, partner=None) -> Screened:
                 candidate.release()
         except EnvironmentFailed as e:
             failed = str(e)
+        except Exception as e:  # noqa: BLE001 - the plugin's own, as Stager.choose takes it; else the worker's
+            if not plugins_own(e):
+                raise
+            stager.unexpected(job.plugin, job.variant, e)
         step = box.store.steps(box.run.run_id)[-1]
         control = loads(step["control"]) or {}
         rows = box.store.recorded()

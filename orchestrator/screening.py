@@ -55,6 +55,8 @@ class Found:
 
 
 class Screening:
+    """A run's screening: the loop's stager stages on the target what the pool's workers find."""
+
     def __init__(self, stager: Stager, pool: Any, plugins: list[Plugin]):
         self.stager = stager
         self.run = stager.run
@@ -111,8 +113,11 @@ class Screening:
         try:
             while self.pool.pending():
                 job, probes, slot, result = self.pool.next(lambda elapsed: self.run.tick(elapsed, ""))
-                if isinstance(result, Checked):
-                    self.controlled(job, lost.pop(job.key), result, found[job.plugin_id])
+                if probes is not None:  # a control
+                    if isinstance(result, Checked):
+                        self.controlled(job, lost.pop(job.key), result, found[job.plugin_id])
+                    else:  # its worker failed too: on yet another
+                        self.check(job, probes, slot, controls)
                     continue
                 self.busy += getattr(result, "busy", 0.0)
                 step_id = self.record(job, getattr(result, "worker", slot), result)
@@ -122,11 +127,7 @@ class Screening:
                                                             time.time()))
                     continue
                 lost[job.key] = step_id
-                probes = getattr(result, "probes", [])
-                if self.pool.others(slot):
-                    self.pool.submit(job, probes, avoid=slot)
-                else:
-                    controls.append((job, probes))
+                self.check(job, getattr(result, "probes", []), slot, controls)
             for job, probes in self.pool.stranded():  # no worker is left to run them
                 if probes is None:
                     found[job.plugin_id].unscreened.append(job.variant)
@@ -137,6 +138,13 @@ class Screening:
             raise
         for job, probes in controls:  # on the target, which holds the kept state
             self.controlled(job, lost[job.key], self.on_target(job, probes, lost[job.key]), found[job.plugin_id])
+
+    def check(self, job: Job, probes: list[str], failed: str, controls: list[tuple[Job, list[str]]]) -> None:
+        """The control of a candidate whose worker (`failed`) failed: on another worker, else on the target."""
+        if self.pool.others(failed):
+            self.pool.submit(job, probes, avoid=failed)
+        else:
+            controls.append((job, probes))
 
     def record(self, job: Job, worker: str, result: Any) -> int:
         """A worker's result as a step of kind `screening`, with what it measured: finished where the worker rolled

@@ -135,7 +135,7 @@ class Worker:
 
     def finish(self) -> dict[str, list[dict]]:
         duo, self.duo = self.duo, None
-        return duo.finish()
+        return duo.finish() if duo is not None else {}
 
 
 class Slot:

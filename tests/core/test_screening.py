@@ -27,7 +27,8 @@ text = (Path(os.environ["ORCHESTRATOR_TARGET_ROOT"]) / "app.txt").read_text()
 print(json.dumps({"passed": "MODE = BROKEN" not in text}))
 '''
 # score = 100 x SPEED, exactly. Each run is logged with the devices it saw and its parent (the worker that ran
-# it); in MODE = KILLWORKER the first run names its parent in `kill-me` and waits to be killed with it.
+# it); with `gpu-1-fails` every run on GPU 1 fails; in MODE = KILLWORKER the first run names its parent in
+# `kill-me` and waits to be killed with it.
 SPEED = '''
 import json, os, re, time
 from pathlib import Path
@@ -37,6 +38,9 @@ text = (root / "app.txt").read_text()
 with open(here / "probe-log.txt", "a") as log:
     log.write(json.dumps({"plugin": os.environ["ORCHESTRATOR_PLUGIN"], "root": str(root), "parent": os.getppid(),
                           "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+if os.environ.get("CUDA_VISIBLE_DEVICES") == "1" and (here / "gpu-1-fails").exists():
+    print("CUDA error: an illegal memory access was encountered", flush=True)
+    raise SystemExit(3)
 if "MODE = KILLWORKER" in text and not (here / "kill-me").exists():
     (here / "kill-me.tmp").write_text(str(os.getppid()))
     os.rename(here / "kill-me.tmp", here / "kill-me")
@@ -176,6 +180,26 @@ def test_a_worker_killed_mid_sample_costs_its_candidate_a_control_and_the_target
     assert ended(project, 10)  # the dead worker's sleeping probe was ended with it
     with pytest.raises(ProcessLookupError):
         os.kill(worker, 0)
+
+
+def test_a_worker_whose_gpu_fails_is_checked_on_another_and_retired(tmp_path, cluster):
+    one = make(tmp_path / "one", [TUNE, LATENCY])
+    two = make(tmp_path / "two", [TUNE, LATENCY])
+    (two.path / "gpu-1-fails").write_text("")
+    one.cli("run", check=0)
+    two.cli("run", "--workers", "2", "--ray-address", cluster, check=0)
+
+    assert decisions(two) == decisions(one)
+    screened = [s for s in two.status()["steps"] if s.get("kind") == "screening"]
+    failed = [s for s in screened if s["reason"] == "environment_failed"]
+    assert len(failed) == 1 and "w2 (GPU 1)" in failed[0]["detail"]
+    assert "fails on the last kept state too" in failed[0]["detail"]  # its own control failed on GPU 1
+    assert failed[0]["control"]["passed"] and failed[0]["control"]["worker"] == "w1 (GPU 0)"
+    # once it failed, the worker took no more candidates; the one it failed was staged on the target
+    assert all(s["workers"] == ["w1 (GPU 0)"] for s in screened if s is not failed[0])
+    plugin, params = failed[0]["plugin"], failed[0]["params"]
+    assert any(s.get("kind") is None and s["plugin"] == plugin and s["params"] == params for s in
+               two.status()["steps"])
 
 
 def test_a_duet_measures_the_kept_state_and_the_candidate_on_both_workers_in_turn(tmp_path, cluster):
