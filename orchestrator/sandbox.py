@@ -154,11 +154,14 @@ class Copy:
         self.kept = KeptState.of(list(job.kept))
         self.kept.configuration, self.kept.judged = job.configuration, list(job.judged)
 
+    def release(self) -> None:
+        """Stop every server it started (their records end with them)."""
+        self.kept.release()
+        self.prober.release()
+
     def close(self) -> None:
-        """Stop every server it started."""
         try:
-            self.kept.release()
-            self.prober.release()
+            self.release()
         finally:
             self.store.close()
 
@@ -183,6 +186,7 @@ def screen(job: Job, worker: str, partner=None) -> Screened:
             if not plugins_own(e):
                 raise
             stager.unexpected(job.plugin, job.variant, e)
+        box.release()
         step = box.store.steps(box.run.run_id)[-1]
         control = loads(step["control"]) or {}
         rows = box.store.recorded()
@@ -202,13 +206,15 @@ def control(job: Job, worker: str, probes: list[str]) -> Checked:
         stack.callback(box.close)
         specs = [s for s in [*box.prober.correctness, *box.prober.throughput] if not probes or s.name in probes]
         step_id = box.store.new_step(box.run.run_id, job.plugin_id, "checking", params=job.params)
+        failed = None
         for spec in specs:
             out = box.prober.probe(spec, step_id, box.kept.arm, "control", 0, f"(control of {job.name})")
             if not out.ok:
-                box.prober.release()
-                return Checked(worker, False, spec.name, failure(out), box.store.recorded())
-        box.prober.release()
-        return Checked(worker, True, ", ".join(s.name for s in specs), "passed", box.store.recorded())
+                failed = spec.name, failure(out)
+                break
+        box.release()
+        passed = ", ".join(s.name for s in specs), "passed"
+        return Checked(worker, failed is None, *(failed or passed), box.store.recorded())
 
 
 class Duo:

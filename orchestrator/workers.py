@@ -37,10 +37,9 @@ class Refused(Exception):
 
 @dataclass
 class Lost:
-    """A job whose worker died under it, or failed it with an error of its own (`dead`: the worker is gone)."""
+    """A job whose worker died under it, or failed it with an error of its own."""
     worker: str
     why: str
-    dead: bool
 
 
 class RemoteSide:
@@ -104,8 +103,7 @@ class Worker:
         self.duo: sandbox.Duo | None = None
 
     def where(self) -> dict:
-        return {"pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()],
-                "node": ray.util.get_node_ip_address()}
+        return {"gpus": [str(g) for g in ray.get_gpu_ids()], "node": ray.util.get_node_ip_address()}
 
     def name_as(self, name: str) -> None:
         self.name = name
@@ -155,7 +153,7 @@ class Pool:
     def __init__(self, slots: list[Slot]):
         self.slots = slots
         self.idle = list(slots)
-        self.queue: list[tuple[sandbox.Job, list[str] | None, Slot | None]] = []
+        self.queue: list[tuple[sandbox.Job, list[str] | None, str | None]] = []  # (job, probes, slot to avoid)
         self.running: dict = {}  # object ref: (job, probes, slot)
 
     @property
@@ -214,9 +212,9 @@ class Pool:
         try:
             result = ray.get(done[0])
         except GONE as e:
-            result = Lost(slot.name, _gist(e), True)
+            result = Lost(slot.name, _gist(e))
         except RayTaskError as e:
-            result = Lost(slot.name, _gist(e.cause if e.cause is not None else e), False)
+            result = Lost(slot.name, _gist(e.cause if e.cause is not None else e))
         if isinstance(result, Lost) or getattr(result, "failed", None):
             sweep_mark(job.mark)
             self.slots.remove(slot)
