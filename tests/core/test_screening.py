@@ -265,6 +265,16 @@ def test_bad_worker_settings_change_nothing(tmp_path, policy, args, without_ray,
     assert tree(project.path) == before and not project.state.exists()
 
 
+def test_more_workers_than_the_cluster_has_gpus_change_nothing(tmp_path, cluster):
+    project = make(tmp_path / "p", [TUNE])
+    before = tree(project.path)
+    proc = project.cli("run", "--workers", "3", "--ray-address", cluster)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"command line: --workers: 3 workers need 3 GPUs; the Ray cluster at {cluster} has 2" in \
+        " ".join(proc.stderr.split())
+    assert tree(project.path) == before and not project.state.exists()
+
+
 def test_a_plugin_cannot_ask_for_workers_of_its_own(tmp_path):
     project = make(tmp_path / "p", [{**TUNE, "accept": {"workers": 2}}])
     before = tree(project.path)
