@@ -13,7 +13,8 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError, WorkerCrashedError
@@ -204,7 +205,8 @@ class Pool:
         it left running is swept."""
         started = time.monotonic()
         while True:
-            done, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
+            with _signals():
+                done, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
             if done:
                 break
             tick(time.monotonic() - started)
@@ -235,6 +237,18 @@ class Pool:
     def close(self) -> None:
         self.cancel()
         ray.shutdown()
+
+
+@contextmanager
+def _signals() -> Iterator[None]:
+    """A signal handler's exception (the run's SIGTERM, Ctrl-C) raised while Ray's own code waits comes out as a
+    SystemError around it: it is raised as itself."""
+    try:
+        yield
+    except SystemError as e:
+        if isinstance(e.__cause__, BaseException) and not isinstance(e.__cause__, Exception):
+            raise e.__cause__ from None
+        raise
 
 
 def _gist(error: BaseException) -> str:

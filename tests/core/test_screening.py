@@ -202,6 +202,25 @@ def test_a_worker_whose_gpu_fails_is_checked_on_another_and_retired(tmp_path, cl
                two.status()["steps"])
 
 
+def test_a_run_stopped_while_its_workers_screen_is_recorded_interrupted_and_leaves_nothing_running(tmp_path,
+                                                                                                    cluster):
+    project = make(tmp_path / "p", [{**TUNE, "params": {"speed": [2, 3]}}, STALL])
+    proc = project.spawn("run", "--workers", "2", "--ray-address", cluster)
+    deadline = time.monotonic() + 120
+    while not (project.path / "kill-me").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)  # while the run waits for its workers
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "interrupted" in out, out
+    data = project.status()
+    assert data["run"]["status"] == "interrupted"
+    assert all(s["state"] == "done" for s in data["steps"])
+    assert (project.target / "app.txt").read_bytes() == ORIGINAL["app.txt"]
+    assert ended(project, 10)
+
+
 def test_a_duet_measures_the_kept_state_and_the_candidate_on_both_workers_in_turn(tmp_path, cluster):
     one = make(tmp_path / "one", [TUNE, LATENCY])
     duet = make(tmp_path / "duet", [TUNE, LATENCY], workers=2, duet=True)
