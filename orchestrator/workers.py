@@ -190,7 +190,7 @@ class Pool:
                 continue
             self.queue.remove(item)
             self.idle.remove(slot)
-            (name, leader), rest = slot.members[0], slot.members[1:]
+            (_, leader), rest = slot.members[0], slot.members[1:]
             if probes is not None:
                 ref = leader.control.remote(job, probes)
             elif rest:

@@ -132,6 +132,9 @@ def test_a_params_search_on_two_workers_decides_as_one_worker_does(tmp_path, clu
     assert "screening: 5 candidates" in out and "w1 (GPU 0)" in out
     assert not (two.state / "screening").exists()  # every worker's folder is gone once recorded
     assert ended(two, 10)
+    two.cli("report", "--out", str(tmp_path / "report"), check=0)
+    report = (tmp_path / "report" / f"run-{data['run']['id']}.md").read_text()
+    assert "Screening: 5 candidates" in report and "- candidate on w1 (GPU 0) samples: " in report
 
 
 def test_the_run_alone_opens_its_history(tmp_path, cluster):
