@@ -38,6 +38,10 @@ orch status --json > "$OUT/status.json" 2>/dev/null
 cp "$RUN/run.log" "$OUT/"
 python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
   "$RUN/state/orchestrator.db" "$OUT/orchestrator.db" 2>/dev/null
+# The servers' logs and the probes' stderr (the probe runner keeps them in temporary folders) come back too:
+# a stalled sample is diagnosed from them.
+tar czf "$OUT/logs.tgz" -C "$RUN/state" server-logs 2>/dev/null
+find /tmp "$RUN" -maxdepth 4 -path '*proc-*' -name stderr 2>/dev/null | head -50 | tar czf "$OUT/probe-stderr.tgz" -T - 2>/dev/null
 if running; then echo "RUNNING: send the poll command again now"; exit 0; fi
 echo "FINISHED"; tail -5 "$RUN/run.log"
 orch report --out "$RUN/report" > /dev/null 2>&1 && cp "$RUN"/report/*.md "$RUN"/report/*.png "$OUT/" 2>/dev/null

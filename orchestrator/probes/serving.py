@@ -36,6 +36,7 @@ from orchestrator.probes.workload import Workload
 DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input tokens/s
 WINDOW_STRIDE = 7919  # seed offset of each further measured window
 WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
+FILL_NOTICE = 5.0  # seconds of fill after which the probe says on stderr how far it got
 # Seed offset of each pair (--pair, $ORCHESTRATOR_PAIR): larger than every offset within one probe, so no
 # two pairs share a prompt. Both samples of a pair send the same prompts; a server reused for the next
 # pair's sample (the staging loop's A B, B A order) finds none of them in its prefix cache.
@@ -193,10 +194,17 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
 
         tasks = [asyncio.create_task(keep_busy(out, n)) for out, n in zip(wave, workload.fill())]
         try:
-            while not all(o.first_at is not None or o.latency or o.error for o in wave):
-                if time.perf_counter() - begin > request_timeout:
-                    raise ProbeError(f"the fill's {limit} prompts were not all prefilled within {request_timeout:g} s")
+            said = begin
+            # A server that runs fewer sequences than the wave holds keeps the rest queued: it is saturated, and
+            # the fill's interleaved lengths already spread the ones it runs, so the fill ends after one window's
+            # length at the latest.
+            while not all(prefilled(o) for o in wave) and time.perf_counter() - begin < workload.duration:
+                if time.perf_counter() - said > FILL_NOTICE:  # a slow fill says how far it got
+                    said = time.perf_counter()
+                    print(f"fill: {sum(map(prefilled, wave))} of {limit} prompts prefilled after {said - begin:.0f} s",
+                          file=sys.stderr, flush=True)
                 await asyncio.sleep(0.02)
+            filled = sum(map(prefilled, wave))
             window_start = time.perf_counter() + workload.ramp
             window_end = window_start + workload.duration
             await asyncio.sleep(workload.ramp)
@@ -212,7 +220,11 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
-        return outcomes, begin, window_start, window_end, cpu
+        return outcomes, begin, window_start, window_end, cpu, filled
+
+
+def prefilled(o: Outcome) -> bool:
+    return o.first_at is not None or bool(o.latency) or bool(o.error)
 
 
 def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple[dict, float, str]:
@@ -515,13 +527,14 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
     client_cpu = time.process_time()
     if workload.steady:
         counters: dict[str, float] = {}
-        outcomes, begin, start, end, cpu = await drive_steady(base_url, model, workload, args.request_timeout,
-                                                              cpu_clock, start_at, counters)
+        outcomes, begin, start, end, cpu, filled = await drive_steady(base_url, model, workload, args.request_timeout,
+                                                                      cpu_clock, start_at, counters)
         if start_at is not None:  # the fill's length is the state's own: it is part of the lag
             lag = time.time() - (end - start) - workload.ramp - start_at
         result, cached, source = summarize_window(outcomes, start, end)
         result["ramp"] = workload.ramp
         result["fill_seconds"] = start - workload.ramp - begin
+        result["fill_prefilled"] = filled  # of the first wave's max_concurrency prompts, when the ramp began
         result["tokens_source"] = "client"
         if counters:  # the server's own counts: prompt tokens as their chunks ran, not at their first output
             duration = result["duration"]

@@ -24,6 +24,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
 class Workload(BaseModel):
     """A seeded synthetic load, the same on every server so that runs compare."""
 
@@ -88,9 +91,11 @@ class Workload(BaseModel):
             k += 1
 
     def fill(self) -> list[int]:
-        """Steady state: the first wave's output lengths, spread evenly over 1..output_len."""
+        """Steady state: the first wave's output lengths, spread evenly over 1..output_len and interleaved (a
+        golden-ratio order), so that the first prompts a server admits, however few, are spread as well."""
         n = self.concurrency
-        return [max(1, math.ceil((i + 1) * self.output_len / n)) for i in range(n)]
+        lengths = [max(1, math.ceil((i + 1) * self.output_len / n)) for i in range(n)]
+        return [lengths[i] for i in sorted(range(n), key=lambda i: (i * GOLDEN) % 1.0)]
 
     def delays(self) -> list[float]:
         """Send times relative to the start: Poisson arrivals at ``request_rate``, as vLLM's."""

@@ -4,7 +4,7 @@ Each step decodes one token of every sequence past its prompt and prefills chunk
 token budget, and takes ``base + per_decode * decodes + per_prefill * prompt tokens`` seconds: a step's time grows
 with its batch, as a GPU engine's does. A sequence's last prompt chunk gives its first token, as vLLM's does.
 
-    python batch_model.py --port P [--base S --per-decode S --per-prefill S --budget N]
+    python batch_model.py --port P [--base S --per-decode S --per-prefill S --budget N --max-seqs N]
 
 serves it over HTTP as the engine server does (streaming /v1/completions, /health, /v1/models, /metrics with
 the engine's token counters), sleeping each step's time. ``steady_rates`` runs the same steps in virtual time
@@ -43,6 +43,7 @@ class Costs:
     per_decode: float = 0.0005
     per_prefill: float = 0.0002
     budget: int = 2048  # tokens per step
+    max_seqs: int = 1 << 20  # sequences run at once; the rest wait in arrival order
 
     def step(self, running: list[Seq]) -> tuple[float, int, int]:
         """Advance every running sequence by one step; (its seconds, prompt tokens, generated tokens)."""
@@ -105,7 +106,7 @@ def serve(costs: Costs, port: int) -> None:
             if not running:
                 wake.clear()
                 await wake.wait()
-            batch = list(running)
+            batch = running[:costs.max_seqs]
             seconds, p, g = costs.step(batch)
             await asyncio.sleep(seconds)
             counts["prefill"] += p

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving_support import PY, env, start_server, write_config
+from serving_support import PY, TINY_CONFIG, env, start_server, write_config
 from engine import tokenizer
 
 
@@ -281,3 +281,35 @@ def test_engine_failure_answers_500_then_health_turns_503(wrong_kernels):
             assert late.status_code == 503
 
     asyncio.run(go())
+
+
+def test_a_queued_request_whose_client_went_away_leaves_the_queue_at_once(tmp_path):
+    """One sequence at a time: a streamed request waiting behind a long one, its client gone, is dropped from
+    the queue while the long one still runs, not prefilled later for nobody (a probe's window ends by going
+    away from the requests it still has in flight)."""
+    server, url = start_server(write_config(tmp_path, TINY_CONFIG.replace("max-num-seqs: 8", "max-num-seqs: 1")))
+
+    def gauge(name: str) -> float:
+        return metrics(url)[f"vllm:num_requests_{name}"]
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            long = asyncio.create_task(stream(client, url, prompt=[10, 20, 30], max_tokens=240))
+            while gauge("running") < 1:
+                await asyncio.sleep(0.01)
+            queued = asyncio.create_task(stream(client, url, prompt=[40, 50], max_tokens=4))
+            while gauge("waiting") < 1:
+                await asyncio.sleep(0.01)
+            queued.cancel()
+            gone = asyncio.get_running_loop().time()
+            while gauge("waiting") > 0 and asyncio.get_running_loop().time() - gone < 5:
+                await asyncio.sleep(0.01)
+            seen = gauge("waiting"), gauge("running"), long.done()
+            long.cancel()
+            return seen
+
+    try:
+        waiting, running, long_done = asyncio.run(go())
+    finally:
+        server.stop()
+    assert (waiting, running, long_done) == (0, 1, False)

@@ -89,3 +89,36 @@ def test_a_window_from_an_idle_server_measures_the_steady_state_of_a_server_whos
     assert out["tokens_source"] == "server" and out["fill_seconds"] > 0.3  # 8,000 prompt tokens came first
     assert out["score"] == pytest.approx(truth, rel=0.12), (out["score"], truth)
     assert out["output_throughput"] == pytest.approx(generated_rate, rel=0.12)
+
+
+def test_a_server_that_runs_fewer_sequences_than_the_wave_is_measured_after_one_window_of_fill(tmp_path):
+    """Two slots and a wave of 16: the server would prefill the last of the wave only after seven request
+    lives, about 20 s, and one that runs one sequence (the seed's baseline) after minutes. It is saturated
+    from its first step, so the fill ends after the window's length, and the interleaved lengths make the two
+    it runs first a short and a long one: the window still finds the steady state of two slots."""
+    from batch_model import Costs, steady_rates
+    from orchestrator.probes.live_server import LiveServer
+
+    costs = Costs(base=0.03, per_decode=0.0015, per_prefill=0.00006, budget=2048, max_seqs=2)
+    server = LiveServer([sys.executable, str(Path(__file__).with_name("batch_model.py")), "--port", "{port}",
+                         "--base", str(costs.base), "--per-decode", str(costs.per_decode),
+                         "--per-prefill", str(costs.per_prefill), "--budget", str(costs.budget),
+                         "--max-seqs", str(costs.max_seqs)])
+    try:
+        server.start().wait_healthy(60)
+        rc, out, err = run_probe("--base-url", server.url, "--duration", "2", "--ramp", "0.3", "--max-concurrency",
+                                 "16", "--input-len", "500", "--output-len", "200", "--shared-prefix-fraction", "0",
+                                 "--request-timeout", "60")
+    finally:
+        server.stop()
+    assert rc == 0, err
+    assert 2 <= out["fill_prefilled"] < 16 and out["fill_seconds"] == pytest.approx(2.0, abs=0.3)
+    prompt_rate, generated_rate = steady_rates(costs, 2, 500, 200)
+    assert out["output_throughput"] == pytest.approx(generated_rate, rel=0.12), (out["output_throughput"], generated_rate)
+
+
+def test_the_fill_spreads_any_first_few_of_the_wave():
+    lengths = Workload(max_concurrency=16, output_len=200, duration=1).fill()
+    assert sorted(lengths) == [max(1, -(-(i + 1) * 200 // 16)) for i in range(16)]
+    for k in (2, 4, 8):  # the first k span most of 1..200, whichever k slots a server has
+        assert max(lengths[:k]) - min(lengths[:k]) >= 200 * (1 - 2 / k) - 13
