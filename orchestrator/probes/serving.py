@@ -166,8 +166,8 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
     """Keeps ``max_concurrency`` requests of the workload's stream in flight, from the wall-clock instant
     ``start_at`` if given (after one test request): first the fill (``Workload.fill``), then ``ramp`` seconds,
     then the measured ``duration``, after which those still running are cancelled (the server aborts them).
-    Returns every request sent, when the fill began and the window's bounds (perf_counter), and the CPU seconds
-    ``cpu_clock`` advanced over the window."""
+    Returns every request sent, when the fill began and the window's bounds (perf_counter), the CPU seconds
+    ``cpu_clock`` advanced over the window, and how many of the first wave were prefilled when the fill ended."""
     url = f"{base_url}/v1/completions"
     stream = workload.stream()
     limit = workload.concurrency
@@ -224,6 +224,7 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
 
 
 def prefilled(o: Outcome) -> bool:
+    """Past its prefill: it streamed a token, finished or failed."""
     return o.first_at is not None or bool(o.latency) or bool(o.error)
 
 
