@@ -302,8 +302,11 @@ def connect(workers: int, gpus: bool, address: str | None, duet: bool) -> Pool:
         raise Refused(f"the Ray cluster did not place {workers} workers within {PLACEMENT_TIMEOUT} s (its free "
                       f"{resource}s are fewer)") from None
     nodes = {p["node"] for p in places}
+    # Ray hands out GPUs in whatever order the actors come up: names follow the node and GPU order instead, so that
+    # w1 is the first GPU of the first node on every run
+    placed = sorted(zip(handles, places), key=lambda hp: (hp[1]["node"], [(len(g), g) for g in hp[1]["gpus"]]))
     named = []
-    for i, (handle, place) in enumerate(zip(handles, places)):
+    for i, (handle, place) in enumerate(placed):
         where = [place["node"]] if len(nodes) > 1 else []
         where += [f"GPU {','.join(place['gpus'])}"] if place["gpus"] else []
         name = f"w{i + 1}" + (f" ({' '.join(where)})" if where else "")
