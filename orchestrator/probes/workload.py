@@ -12,7 +12,8 @@ request lived 70 s, prompt tokens were four fifths of a 10 s window's score). So
 are spread evenly over 1..`output_len` (`fill`): once its prompts are prefilled, its requests end one after
 the other at the rate a steady state ends them, and each is replaced by a full request of the stream, whose
 prompt then runs beside the others' decoding as it would in a steady state. The window begins `ramp` seconds
-after the last prompt of the first wave has its first token.
+after the last prompt of the first wave has its first token, or after `fill_limit` on a server that queues part of
+the wave.
 """
 from __future__ import annotations
 
@@ -96,6 +97,12 @@ class Workload(BaseModel):
         n = self.concurrency
         lengths = [max(1, math.ceil((i + 1) * self.output_len / n)) for i in range(n)]
         return [lengths[i] for i in sorted(range(n), key=lambda i: (i * GOLDEN) % 1.0)]
+
+    @property
+    def fill_limit(self) -> float:
+        """Steady state: the longest the fill waits for the first wave's prompts to be prefilled. A server that
+        has not prefilled them by then queues part of the wave, and is saturated already."""
+        return self.duration / 2
 
     def delays(self) -> list[float]:
         """Send times relative to the start: Poisson arrivals at ``request_rate``, as vLLM's."""
