@@ -7,8 +7,10 @@ keeps one alive, else each block has fresh servers on both sides. Each block is 
 `calibration` with its A/A decision: that block judged like a candidate, by the noise the other blocks measured
 (leave one out, so that no block judges itself). From all blocks: the spread of log(objective) within a start
 and between starts (noise.components), the pairs a block should take (noise.pairs_per_start), the starts and
-pairs a change of no effect needs before its interval lies inside the bar, and the false-keep rate of the
-judge's rule under that noise, simulated with and without counting the start effects. Where the servers sleep
+pairs a change of no effect needs before its interval lies inside the bar, the false-keep rate of the
+judge's rule under that noise, simulated with and without counting the start effects, and the offset of fresh
+servers against the kept one (noise.offset), which the judge takes for 0: where its interval excludes 0, a warning
+and the keep rate of a change of no effect that measures like it. Where the servers sleep
 and wake between their samples (the sleeping pairing), also how much a wake moves a server (noise.wake_spread) and
 whether woken servers may stand in for fresh ones (noise.wakes_like_fresh); the mean sleep and wake time of a
 pair is counted in its time.
@@ -25,7 +27,7 @@ import numpy as np
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.kept import KeptState
-from orchestrator.noise import (Noise, components, pairs_needed, pairs_per_start, starts_needed, wake_spread,
+from orchestrator.noise import (Noise, components, offset, pairs_needed, pairs_per_start, starts_needed, wake_spread,
                                 wakes_like_fresh)
 from orchestrator.pairing import Together, choose
 from orchestrator.policy import Policy
@@ -84,11 +86,23 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     noise = Noise(within, between, df, start_s, pair_s, wake=spread, wake_p=p, still=still)
     summary = judged_blocks(run, prober, blocks, kept_restarted, run.project.policy)
     per_block = pairs_per_start(noise, run.project.policy.max_pairs)
-    bar = run.project.policy.min_gain
+    policy = run.project.policy
+    bar = policy.min_gain
+    simulated = simulate(noise, policy, per_block, kept_restarted)
+    shift = offset([b["logs"] for b in blocks], between, df, kept_restarted, policy.confidence)
+    fresh = {"mean": math.expm1(shift[0]), "low": math.expm1(shift[1]) if math.isfinite(shift[1]) else None,
+             "high": math.expm1(shift[2]) if math.isfinite(shift[2]) else None}
+    if fresh["low"] is not None and (fresh["low"] > 0 or fresh["high"] < 0):
+        # a change of no effect measured like the A/A blocks: how often the run's rule would keep it
+        fresh["keep_rate"] = simulate(noise, policy, per_block, kept_restarted, effect=fresh["mean"],
+                                      trials=SIMULATIONS // 4)["keep_rate_counting"]
+        run.store.event(run.run_id, "warning", f"A/A: fresh servers of the state measured {fresh['mean']:+.2%} "
+                        f"[{fresh['low']:+.2%}, {fresh['high']:+.2%}] against the kept state's server, which the judge "
+                        f"takes for 0: a change of no effect with that offset is kept in {fresh['keep_rate']:.0%} of "
+                        "simulated decisions")
     summary.update(
         pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
-        simulated=simulate(noise, run.project.policy, per_block, kept_restarted),
-        blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks])
+        simulated=simulated, fresh_offset=fresh, blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks])
     if mode == "sleeping":
         summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "still": noise.still,
                            "like_fresh": wakes_like_fresh(noise), "same": wake[3] if wake else 0,

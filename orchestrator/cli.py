@@ -520,7 +520,7 @@ def report(config: Optional[Path] = ConfigOpt,
     store = Reader(project.db_path) if project.db_path.exists() else None
     if store is None or not has_history(project.db_path) or store.empty():
         raise UserError(f"no runs recorded yet in {project.state_dir}")
-    run_row = store.run(run_id) if run_id is not None else store.run()
+    run_row = store.run(run_id) if run_id is not None else store.run() or store.run(command=None)  # a calibration
     if run_row is None:
         raise UserError(f"no run {run_id}" if run_id is not None else "no runs recorded yet")
     store.close()

@@ -1,7 +1,7 @@
 """`orchestrator run`: the baseline (and, where the policy asks and none is recorded here, an A/A calibration of
 it), each plugin staged in order against the last kept state, then the stack the run kept re-measured. However
 the run ends it is recorded, and a signal or a crash first restores the last kept state. A run that stopped on an
-environment failure is continued by the next one."""
+environment failure, a signal or the loss of its process or machine is continued by the next one."""
 from __future__ import annotations
 
 import gc
@@ -141,15 +141,22 @@ def stopped(store: Store, journal: Journal, run_id: int, error: Exception) -> No
 
 
 def continued(store: Store, run_id: int) -> list[int]:
-    """The runs a new run continues, oldest first: those just before it that stopped on an environment failure.
-    Together they are one run: what they kept is re-validated with it, what they rolled back is not staged again."""
+    """The runs a new run continues, oldest first: those just before it that were cut short. Together they are one
+    run: what they kept is re-validated with it, what they rolled back is not staged again."""
     chain = []
     for earlier in store.runs_before(run_id, "run"):
-        if earlier["status"] != "failed" or not any(s["reason"] == "environment_failed"
-                                                    for s in store.steps(earlier["id"])):
+        if not cut_short(store, earlier):
             break
         chain.append(earlier["id"])
     return chain[::-1]
+
+
+def cut_short(store: Store, run: dict) -> bool:
+    """Stopped before deciding every plugin, for no reason of the plugins': an environment failure, a signal, or the
+    loss of its process (killed, its machine gone: the next command's recovery records it interrupted)."""
+    if run["status"] == "interrupted":
+        return True
+    return run["status"] == "failed" and any(s["reason"] == "environment_failed" for s in store.steps(run["id"]))
 
 
 def decided(store: Store, chain: list[int]) -> dict[str, list[dict]]:

@@ -68,6 +68,32 @@ def components(blocks: Sequence[Sequence[float]], kept_restarted: bool) -> tuple
     return math.sqrt(pooled / 2), between, len(blocks) - 1
 
 
+def offset(blocks: Sequence[Sequence[float]], between: float, between_df: int, kept_restarted: bool,
+           confidence: float) -> tuple[float, float, float]:
+    """(mean, low, high) of log(candidate / kept) over A/A blocks, with its t interval: what a fresh candidate
+    server measures against the kept state's, with no change between them. The judge assumes 0. A long-lived server
+    that slows with age, or a fresh one that runs ahead, moves it; so does the shared kept server's own start effect,
+    which is one draw of sd `between` in every block and is counted here (Welch-Satterthwaite degrees of freedom,
+    as the judge's). Where every block restarts the kept server too, the blocks' spread already holds it."""
+    from scipy.stats import t as t_dist
+
+    means = np.array([float(np.mean(b)) for b in blocks if len(b)])
+    k = len(means)
+    mean = float(means.mean())
+    if k < 2:
+        return mean, -math.inf, math.inf
+    var_means = float(means.var(ddof=1)) / k
+    parts = [(var_means, k - 1)]
+    if not kept_restarted and between > 0 and between_df:
+        parts.append((between ** 2, between_df))
+    se2 = sum(v for v, _ in parts)
+    if se2 == 0:
+        return mean, mean, mean
+    df = se2 ** 2 / sum(v * v / f for v, f in parts if v > 0)
+    half = float(t_dist.ppf((1 + confidence) / 2, df)) * math.sqrt(se2)
+    return mean, mean - half, mean + half
+
+
 def pairs_per_start(noise: Noise, max_pairs: int) -> int:
     """Pairs each block of fresh servers should take before the next block starts; `max_pairs` or more means one
     block for the whole decision.

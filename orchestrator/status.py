@@ -149,9 +149,21 @@ def calibration_lines(data: dict[str, Any]) -> list[str]:
              f"ignoring start effects); {c.get('pairs_per_start')} pairs per start; a no-op needs "
              f"{_or_more(c.get('pairs_needed'))} pairs on one pair of servers, {_or_more(c.get('starts_needed'))} "
              "starts, to show no gain"]
+    if (line := offset_line(c.get("fresh_offset"))) is not None:
+        lines.append(f"  {line}")
     if wake := c.get("wake"):
         lines.append(wake_line(wake))
     return lines
+
+
+def offset_line(fresh: dict[str, Any] | None) -> str | None:
+    """What fresh servers measured against the kept state's in the A/A blocks, which the judge takes for 0."""
+    if not fresh or fresh.get("low") is None:
+        return None
+    line = f"fresh servers against the kept one: {fresh['mean']:+.2%} [{fresh['low']:+.2%}, {fresh['high']:+.2%}]"
+    if fresh.get("keep_rate") is None:
+        return line + ", consistent with no offset"
+    return line + f"; a change of no effect with that offset is kept in {fresh['keep_rate']:.0%} of simulated decisions"
 
 
 def wake_line(wake: dict[str, Any]) -> str:

@@ -2,6 +2,9 @@
 kept state; when that fails too the environment is blamed, the run stops, and the next run continues it."""
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 import yaml
 
@@ -25,6 +28,11 @@ trigger = here / f"break-{ROLE}-at.txt"
 if trigger.exists() and calls >= int(trigger.read_text()):
     (here / "flag").write_text("broken")
 broken = (here / "flag").exists()
+hang = here / f"hang-{ROLE}-at.txt"  # the run is cut short here: the test stops it while this probe hangs
+if hang.exists() and calls == int(hang.read_text()):
+    (here / "hanging").write_text(str(os.getpid()))
+    import time
+    time.sleep(300)
 text = (root / "app.txt").read_text()
 '''
 CORRECT = 'ROLE = "correct"\n' + COMMON + '''
@@ -117,6 +125,35 @@ def test_an_environment_failure_mid_run_stops_it_and_the_next_run_continues(tmp_
     assert again["final"]["gain"] == pytest.approx(3 * 1.5 - 1)
     project.cli("rollback", "--all", check=0)
     assert tree(project.target) == ORIGINAL
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_run_killed_or_stopped_by_a_signal_is_continued_by_the_next_run(tmp_path, how):
+    """SIGKILL stands for a machine that went away (nothing closes the run: the next command's recovery does),
+    SIGTERM for someone stopping it. Either way the next run continues it rather than staging it all again."""
+    project = make(tmp_path / "p")
+    (project.path / "hang-speed-at.txt").write_text("3")  # baseline 1, a 2, c 3 (b is incorrect, never timed)
+    proc = project.spawn("run")
+    deadline = time.monotonic() + 120
+    while not (project.path / "hanging").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(how)
+    proc.communicate(timeout=60)
+    (project.path / "hang-speed-at.txt").unlink()
+
+    project.cli("run", check=0)
+    first = project.status("--run", "1")
+    assert first["run"]["status"] == "interrupted"
+    assert steps(first) == {"a": ("kept", None), "b": ("rolled_back", "incorrect"), "c": ("rolled_back", "interrupted")}
+    again = project.status()
+    assert again["run"]["status"] == "finished"
+    assert steps(again) == {"a": ("kept", "already_applied"), "b": ("skipped", "decided_earlier"),
+                            "c": ("kept", None), "d": ("kept", None)}
+    log = (project.path / "probe-log.txt").read_text()
+    assert log.count("correct b\n") == 1  # b was judged once, in the run cut short
+    assert tree(project.target) == {"app.txt": b"SPEED = 3\nMODE = plain\n", "c.txt": b"C\n"}
+    assert again["final"]["gain"] == pytest.approx(3 * 1.5 - 1)  # against the first run's baseline
 
 
 def test_a_really_wrong_candidate_is_still_incorrect_when_the_control_passes(tmp_path):

@@ -45,9 +45,9 @@ def project(tmp: Path, plugins: dict[str, str | None], policy: dict) -> Path:
     return tmp
 
 
-def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+def cli(root: Path, *args: str, spread: float = SPREAD, aging: float = 0.0) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "STANDIN_STARTS": str(root / "starts.txt"),
-           "STANDIN_SPREAD": str(SPREAD), "STANDIN_WITHIN": str(WITHIN)}
+           "STANDIN_SPREAD": str(spread), "STANDIN_WITHIN": str(WITHIN), "STANDIN_AGING": str(aging)}
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--config", "orchestrator.yaml"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,6 +77,11 @@ def test_calibration_separates_the_spread_within_a_start_from_the_spread_between
     assert summary["aa_judged"] == 8 and summary["aa_kept"] == 0
     assert summary["pairs_per_start"] == 2  # fresh servers pay for themselves at once
     assert "between starts" in out and "A/A decisions kept: 0 of 8" in out
+    # fresh servers against the kept one: no offset but the kept server's own start effect, which is counted
+    fresh = summary["fresh_offset"]
+    assert fresh["low"] < 0 < fresh["high"] and "keep_rate" not in fresh, fresh
+    assert "consistent with no offset" in out
+    assert not rows(root, "SELECT * FROM events WHERE kind = 'warning'")
     # the kept state's server served every block; each block had a candidate server of its own
     servers = rows(root, "SELECT * FROM processes WHERE what LIKE 'live server%' ORDER BY id")
     assert len(servers) == 1 + 8 and all(s["ready"] >= s["started"] for s in servers)
@@ -86,6 +91,23 @@ def test_calibration_separates_the_spread_within_a_start_from_the_spread_between
     assert kept["ended"] >= max(b["finished"] for b in blocks)
     status = json.loads(cli(root, "status", "--json").stdout)
     assert status["calibration"]["aa_kept"] == 0 and len(status["calibration"]["blocks"]) == 8
+
+
+def test_calibration_shows_fresh_servers_running_ahead_of_a_long_lived_one(tmp_path):
+    """Each of the first four samples a server serves slows it by 2%: the kept state's server, which serves every
+    block, settles 8% slower, while a fresh candidate server of an A/A block is 1% slower over its two samples: an
+    offset of about +7% that the judge would take for a gain."""
+    root = project(tmp_path, {}, {"min_gain": 0.02, "max_pairs": 4})
+    out = cli(root, "calibrate", "--starts", "6", "--pairs", "2", spread=0.002, aging=0.02).stdout
+    summary = json.loads(rows(root, "SELECT summary FROM calibrations")[0]["summary"])
+    fresh = summary["fresh_offset"]
+    assert 0.03 < fresh["low"] < fresh["mean"] < 0.10, fresh
+    assert fresh["keep_rate"] > 0.5 > summary["simulated"]["keep_rate_counting"], summary
+    [warning] = rows(root, "SELECT message FROM events WHERE kind = 'warning'")
+    assert "fresh servers of the state measured +" in warning["message"] and "judge takes for 0" in warning["message"]
+    assert "fresh servers against the kept one: +" in out and "a change of no effect with that offset is kept" in out
+    cli(root, "report", "--out", "report")
+    assert "- fresh servers against the kept one: +" in next((root / "report").glob("*.md")).read_text()
 
 
 def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):

@@ -1,6 +1,7 @@
 """A stand-in live server whose speed is fixed at start: the state's speed (`speed.txt` in the folder it serves,
-read once) times a factor drawn for this start (uniform in 1 ± SPREAD), times a little noise per sample. Start k
-of a run (counted in $STANDIN_STARTS, a file) draws its factor from seed k, so runs repeat exactly.
+read once) times a factor drawn for this start (uniform in 1 ± SPREAD), times a little noise per sample, slower by
+AGING for each sample it served before, up to AGED samples. Start k of a run (counted in $STANDIN_STARTS, a file) draws its factor
+from seed k, so runs repeat exactly.
 
     python server.py --port P     # GET /health, GET /sample -> {"ops": ...}
 """
@@ -14,6 +15,8 @@ from pathlib import Path
 
 SPREAD = float(os.environ.get("STANDIN_SPREAD", "0.10"))  # per-start factor: uniform in 1 +- SPREAD
 WITHIN = float(os.environ.get("STANDIN_WITHIN", "0.01"))  # per-sample noise: sd of a normal factor
+AGING = float(os.environ.get("STANDIN_AGING", "0"))  # each sample served slows the next ones by this fraction,
+AGED = 4  # up to this many: a long-lived server settles slower than a fresh one
 
 
 def start_index() -> int:
@@ -33,13 +36,15 @@ def main() -> None:
     speed = float(Path("speed.txt").read_text().split()[0])
     rng = random.Random(start_index())
     factor = 1 + rng.uniform(-SPREAD, SPREAD)
+    served = [0]
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             if self.path == "/health":
                 body = b""
             elif self.path == "/sample":
-                body = json.dumps({"ops": speed * factor * rng.gauss(1, WITHIN)}).encode()
+                body = json.dumps({"ops": speed * factor * (1 - AGING) ** min(served[0], AGED) * rng.gauss(1, WITHIN)}).encode()
+                served[0] += 1
             else:
                 self.send_error(404)
                 return
