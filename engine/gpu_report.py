@@ -1,7 +1,7 @@
 """One command for the engine's speed work on one GPU: correctness first, then the figures.
 
     python -m engine.gpu_report [--model qwen3.6-35b-a3b-dense] [--layers 40] [--full-workload]
-                                [--sections checks,graphs,decode,moe,gdn,engine]
+                                [--sections checks,graphs,decode,moe,gdn,engine,profile]
     python -m engine.gpu_report --sections moe-tune     # the per-size MoE launch search (~5 min)
 
 ``--model``: ``qwen3.6-35b-a3b`` (the default: the hybrid model, 30 Gated DeltaNet and 10 attention
@@ -31,6 +31,13 @@ as it is done (a run cut short keeps what it finished):
    GPU-busy share of a step at batch 128 (torch.profiler), graphs off and on; then output tok/s on
    200 x (1,000 in, 200 out), graphs on and off (``--full-workload``: 200 x (1,000 in, 2,000 out),
    graphs on only; about 4-5 minutes alone).
+7. ``profile``: ``--model`` (``--layers`` of its layers) in a steady decode at batch 128, then 200, graphs
+   off so that torch.profiler sees every kernel: a few decode steps' GPU time by kernel class (MoE GEMMs,
+   MoE routing and alignment, Gated DeltaNet, attention, norms and rope, projections, the rest; a
+   kernel's class from its name, ``KERNEL_RULES``), each class against its floor from the model's shapes
+   (``decode_floors``: its bytes at copy bandwidth, or its FLOPs at the matmul peak where that is longer),
+   the largest gap first; and the step's GPU-busy time against the sum of the floors. Each class's
+   costliest kernels are listed, so that a misplaced name shows.
 
 ``moe-tune`` (not run by default): per token count, a search over BLOCK_M and each GEMM's tiles;
 writes the winners to ``$OUT/moe_configs/`` in the form ``kernels/moe_configs/`` reads.
@@ -618,7 +625,8 @@ def decode_floors(cfg, batch: int, context: float, elt: int) -> dict[str, tuple[
         ROUTING: (n * (b * (e + folded) * elt + 2 * pairs * (4 + 4)), 0),
         GDN: (n_gdn * (b * (2 * state + 2 * conv + (in_proj + values) * elt)
                        + cfg.linear_conv_dim * cfg.linear_conv_kernel_dim * elt), 0),
-        ATTENTION: (n_attn * b * (2 * context * kv + 2 * kv + 2 * heads) * d * elt, n_attn * 4 * b * context * heads * d),
+        ATTENTION: (n_attn * b * (2 * context * kv + 2 * kv + 2 * heads) * d * elt,
+                    n_attn * 4 * b * context * heads * d),
         NORMS: (((2 * n + 1) * 4 * h + n_attn * 2 * (heads + kv) * d) * b * elt, 0),
         PROJECTIONS: (sum((o * i + b * (o + i)) * elt for o, i in gemms), sum(2 * b * o * i for o, i in gemms)),
     }
@@ -739,8 +747,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help=f"comma-separated, of {', '.join(SECTIONS)} (moe-tune: a longer MoE search, ~5 min)")
     p.add_argument("--model", default=MODELS[0], choices=MODELS,
-                   help="the model of the graphs and engine sections (default: the hybrid one)")
-    p.add_argument("--layers", type=int, default=40, help="engine section: how many of the model's layers")
+                   help="the model of the graphs, engine and profile sections (default: the hybrid one)")
+    p.add_argument("--layers", type=int, default=40, help="engine and profile sections: how many of the model's layers")
     p.add_argument("--graph-layers", type=int, default=4,
                    help="graphs section: the first layers of --model (4: three Gated DeltaNet and one attention)")
     p.add_argument("--graph-dtypes", default="float32",
