@@ -1,7 +1,7 @@
 """One command for the engine's speed work on one GPU: correctness first, then the figures.
 
     python -m engine.gpu_report [--model qwen3.6-35b-a3b-dense] [--layers 40] [--full-workload]
-                                [--sections checks,graphs,decode,moe,gdn,engine]
+                                [--sections checks,graphs,decode,moe,gdn,engine,profile]
     python -m engine.gpu_report --sections moe-tune     # the per-size MoE launch search (~5 min)
 
 ``--model``: ``qwen3.6-35b-a3b`` (the default: the hybrid model, 30 Gated DeltaNet and 10 attention
@@ -31,6 +31,13 @@ as it is done (a run cut short keeps what it finished):
    GPU-busy share of a step at batch 128 (torch.profiler), graphs off and on; then output tok/s on
    200 x (1,000 in, 200 out), graphs on and off (``--full-workload``: 200 x (1,000 in, 2,000 out),
    graphs on only; about 4-5 minutes alone).
+7. ``profile``: ``--model`` (``--layers`` of its layers) in a steady decode at batch 128, then 200, graphs
+   off so that torch.profiler sees every kernel: a few decode steps' GPU time by kernel class (MoE GEMMs,
+   MoE routing and alignment, Gated DeltaNet, attention, norms and rope, projections, the rest; a
+   kernel's class from its name, ``KERNEL_RULES``), each class against its floor from the model's shapes
+   (``decode_floors``: its bytes at copy bandwidth, or its FLOPs at the matmul peak where that is longer),
+   the largest gap first; and the step's GPU-busy time against the sum of the floors. Each class's
+   costliest kernels are listed, so that a misplaced name shows.
 
 ``moe-tune`` (not run by default): per token count, a search over BLOCK_M and each GEMM's tiles;
 writes the winners to ``$OUT/moe_configs/`` in the form ``kernels/moe_configs/`` reads.
@@ -44,6 +51,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -412,12 +420,14 @@ def section_gdn(args, copy_gbps: float) -> None:
 
 
 # ---------------------------------------------------------------- 6. the engine at Qwen3.6-35B-A3B dimensions
+def _cuda_kernels(prof) -> list:
+    """The profiler's GPU kernels (the driver's copies and fills left out)."""
+    return [e for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+
+
 def _kernel_intervals(prof) -> list[tuple[float, float]]:
-    out = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
-            out.append((e.time_range.start, e.time_range.end))
-    return out
+    return [(e.time_range.start, e.time_range.end) for e in _cuda_kernels(prof)]
 
 
 def _busy_us(intervals) -> float:
@@ -552,6 +562,153 @@ def section_engine(args) -> None:
     RESULTS["engine"] = out
 
 
+# ---------------------------------------------------------------- 7. a decode step by kernel class
+MOE_GEMMS, ROUTING, GDN, ATTENTION = "MoE GEMMs", "MoE routing and alignment", "Gated DeltaNet", "attention"
+NORMS, PROJECTIONS, REST = "norms and rope", "projections", "the rest"
+KERNEL_CLASSES = (MOE_GEMMS, ROUTING, GDN, ATTENTION, NORMS, PROJECTIONS, REST)
+# (class, pattern): a kernel belongs to the first class whose pattern its name contains (ignoring case),
+# else to the rest. This project's Triton kernels go by their function names, anchored (torch has a
+# reduce_kernel too); cuBLAS's, CUTLASS's and torch's by the words of their namespaced names on an
+# H200; a CPU smoke run's aten ops where their names say it. Torch's elementwise and reduce kernels
+# name no layer (the attention output gate, the MoE's sum over experts, casts, the argmax): the rest.
+# The rules are for the fast path (FAST): on the torch fallbacks a softmax or a mm may be another class's.
+KERNEL_RULES = [
+    (MOE_GEMMS, r"^_grouped_gemm|grouped_mm|GroupProblemShape"),  # Triton; torch._grouped_mm's CUTLASS
+    (ATTENTION, r"^_(split|reduce|prefill)_kernel|index_put"),  # v2_triton, the prefill; the K/V cache writes
+    (GDN, r"^_(recurrent|chunk_prepare|chunk_scan|conv|gating|norm_gated)_kernel|softplus|conv1d|conv_depthwise"
+          r"|index_copy|index_fill"),  # torch: the gates, the convolution, the state slots' writes
+    (ROUTING, r"^_(route|align)_kernel|topk|softmax|sort|scatter|index_add|indexFunc|cumsum|DeviceScan"),
+    (NORMS, r"^_(rms_norm|qk_norm_rope)_kernel|rms_?norm|layer_?norm|rsqrt|\b(cos|sin)(_kernel|$)"),  # rope angles
+    (PROJECTIONS, r"nvjet|gemm|gemv|cutlass|cublas|splitK|^aten::(mm|addmm|linear|matmul)$"),
+]
+_RULES = [(cls, re.compile(pattern, re.IGNORECASE)) for cls, pattern in KERNEL_RULES]
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel (in a CPU smoke run: an op) by its name, as ``KERNEL_RULES`` say."""
+    return next((cls for cls, rule in _RULES if rule.search(name)), REST)
+
+
+def decode_floors(cfg, batch: int, context: float, elt: int) -> dict[str, tuple[float, float]]:
+    """(bytes, FLOPs) each class must move and compute in one decode step of ``batch`` sequences of
+    ``context`` tokens (the new one included) of model ``cfg`` (a ``ModelConfig``), weights and
+    activations of ``elt`` bytes, float32 recurrent states: what no kernel avoids, so that the time
+    a class takes above its floor is what is left to win.
+
+    - MoE GEMMs: the experts the tokens hit, whole (top-k of E: E (1 - (1 - k/E)^B) expected) and a
+      shared expert folded into them; x read, the output written.
+    - routing and alignment: the router logits read; each token-expert pair's weight and id written
+      (float32, int32), then the ids read and the pairs' sorted order written (int32, int32).
+    - Gated DeltaNet: the recurrent and convolution states read and written, the input projection's
+      output read and the gated norm's written, the convolution's weights.
+    - attention: the K/V cache read at ``context``, the new K/V written, q read, the output written.
+    - norms and rope: each RMSNorm (two a layer, the final one) reads x and the residual and writes
+      both; the q/k norm and rotary read and write q and k.
+    - projections: each dense GEMM (qkv/o, in/out, the router, a shared expert not folded into the
+      experts, the LM head): its weights and input read, its output written.
+
+    FLOPs only where a class multiplies matrices: the MoE GEMMs, the projections, the attention."""
+    h, b, e, k = cfg.hidden_size, batch, cfg.num_experts, cfg.top_k
+    inter, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    n, n_attn, n_gdn = cfg.num_layers, cfg.num_attention_layers, cfg.num_linear_layers
+    d, heads, kv = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
+    folded = int(shared == inter > 0)  # as SparseMoeBlock: the shared expert is one more expert
+    pairs, experts = b * (k + folded), e * (1 - (1 - k / e) ** b) + folded
+    in_proj, values = cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads, cfg.linear_value_dim
+    gemms = ([(e + folded, h)] * n + [(2 * shared, h), (h, shared), (1, h)] * (n if shared and not folded else 0)
+             + [(heads * d * (2 if cfg.attn_output_gate else 1) + 2 * kv * d, h), (h, heads * d)] * n_attn
+             + [(in_proj, h), (h, values)] * n_gdn + [(cfg.vocab_size, h)])  # (out, in)
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elt
+    return {
+        MOE_GEMMS: (n * (experts * 3 * h * inter + 2 * b * h) * elt, n * 2 * pairs * 3 * h * inter),
+        ROUTING: (n * (b * (e + folded) * elt + 2 * pairs * (4 + 4)), 0),
+        GDN: (n_gdn * (b * (2 * state + 2 * conv + (in_proj + values) * elt)
+                       + cfg.linear_conv_dim * cfg.linear_conv_kernel_dim * elt), 0),
+        ATTENTION: (n_attn * b * (2 * context * kv + 2 * kv + 2 * heads) * d * elt,
+                    n_attn * 4 * b * context * heads * d),
+        NORMS: (((2 * n + 1) * 4 * h + n_attn * 2 * (heads + kv) * d) * b * elt, 0),
+        PROJECTIONS: (sum((o * i + b * (o + i)) * elt for o, i in gemms), sum(2 * b * o * i for o, i in gemms)),
+    }
+
+
+def floor_ms(floors: dict[str, tuple[float, float]], copy_gbps: float, mm_tflops: float) -> dict[str, float]:
+    """Each class's floor: its bytes at copy bandwidth, or its FLOPs at the matmul peak where that is longer."""
+    return {cls: max(nbytes / copy_gbps / 1e6, flops / mm_tflops / 1e9) for cls, (nbytes, flops) in floors.items()}
+
+
+def class_rows(kernels: list[tuple[str, float]], steps: int, floors: dict[str, float]) -> list[dict]:
+    """One row per class of ``kernels`` ((name, µs) over ``steps`` steps), each class present: per step
+    its kernels, ms, share of the kernels' time, floor ms (``floors``; none: 0), ratio to the floor
+    and its three costliest kernels; the largest gap to the floor first."""
+    by_class: dict[str, dict[str, list]] = {cls: {} for cls in KERNEL_CLASSES}
+    for name, us in kernels:
+        count_us = by_class[kernel_class(name)].setdefault(name, [0, 0.0])
+        count_us[0] += 1
+        count_us[1] += us
+    total_us = sum(us for _, us in kernels) or 1.0
+    rows = []
+    for cls, names in by_class.items():
+        us = sum(t for _, t in names.values())
+        ms, floor = us / 1e3 / steps, floors.get(cls, 0.0)
+        top = sorted(names.items(), key=lambda kv: -kv[1][1])[:3]
+        rows.append({"class": cls, "kernels": sum(c for c, _ in names.values()) / steps, "ms": ms,
+                     "share": us / total_us, "floor_ms": floor, "ratio": ms / floor if floor else None,
+                     "top": {name[:120]: t / 1e3 / steps for name, (_, t) in top}})
+    return sorted(rows, key=lambda r: r["floor_ms"] - r["ms"])
+
+
+def _profile_decode(engine, steps: int) -> list[tuple[str, float, float]]:
+    """(name, start µs, µs) of each kernel of ``steps`` decode steps; on the CPU (a smoke run) each op
+    by its self time, so that nested ops count once."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = engine.model_runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in _cuda_kernels(prof)]
+    return [(e.name, e.time_range.start, e.self_cpu_time_total) for e in prof.events()]
+
+
+def section_profile(args, copy_gbps: float, mm_tflops: float) -> None:
+    """Where a decode step's GPU time goes by kernel class, each against its floor, at each batch of
+    ``profile_batches``: eager steps (graphs off, so that the profiler sees every kernel)."""
+    from engine.llm_engine import LLMEngine
+    z, cuda = args.sizes, args.device == "cuda"
+    engine = LLMEngine({**_engine_config(args), "cuda-graphs": False})
+    cfg, elt = engine.config.hf, torch.empty((), dtype=engine.model_runner.dtype).element_size()
+    out = dict(model=engine.config.model, layers=cfg.num_layers, kernel_choice=engine.kernel_choice,
+               copy_gbps=copy_gbps, matmul_tflops=mm_tflops, steps=z.profile_steps, batches=[])
+    for batch in z.profile_batches:
+        _steady_decode(engine, batch - len(engine.scheduler.running), z.prompt_len, seed=30 + batch)
+        engine.step()  # Triton compiles for a new batch size
+        running = engine.scheduler.running
+        b, context = len(running), sum(s.num_computed_tokens + 1 for s in running) / len(running)
+        kernels = _profile_decode(engine, z.profile_steps)
+        floors = floor_ms(decode_floors(cfg, b, context, elt), copy_gbps, mm_tflops)
+        rows = class_rows([(name, us) for name, _, us in kernels], z.profile_steps, floors)
+        kernel_ms = sum(r["ms"] for r in rows)
+        busy = _busy_us([(t, t + us) for _, t, us in kernels]) / 1e3 / z.profile_steps if cuda else kernel_ms
+        floor = sum(floors.values())
+        out["batches"].append(dict(batch=b, context=context, gpu_busy_ms=busy, kernel_ms=kernel_ms, floor_ms=floor,
+                                   rows=rows))
+        summary(f"decode step at batch {b} by kernel class (eager, context {context:,.0f})",
+                f"{'GPU busy' if cuda else 'CPU ops'} {busy:.2f} ms a step vs floors {floor:.2f} ms "
+                f"({busy / floor:.1f}x); largest gap first:")
+        for r in rows:
+            summary(f"  batch {b}: {r['class']}", f"{r['ms']:7.3f} ms {r['share']:4.0%}, {r['kernels']:4.0f} kernels; "
+                    f"floor {r['floor_ms']:7.3f} ms" + (f" ({r['ratio']:.2f}x)" if r["ratio"] else ""))
+        for r in rows:
+            if r["top"]:
+                say(f"  {r['class']}: " + "; ".join(f"{name[:60]} {ms:.3f} ms" for name, ms in r["top"].items()))
+    RESULTS["profile"] = out
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Workload sizes: the real ones on a GPU, a few tokens for a smoke run on the CPU."""
@@ -566,13 +723,23 @@ class Sizes:
     full_output_len: int = 2000
     gdn_batches: tuple[int, ...] = (1, 32, 128, 256)  # decode steps of the gdn section's op timings
     gdn_prefill: int = 8192
+    profile_batches: tuple[int, ...] = (128, 200)  # the profile section's steady decode batches, in turn
+    profile_steps: int = 3
 
 
 SMOKE = Sizes(graph_prompts=3, graph_tokens=4, decode_batch=3, prompt_len=20, num_prompts=4, input_len=16,
-              output_len=4, full_output_len=6, gdn_batches=(2,), gdn_prefill=8)
+              output_len=4, full_output_len=6, gdn_batches=(2,), gdn_prefill=8, profile_batches=(2, 3),
+              profile_steps=2)
 SMOKE_MODELS = {"qwen3.6-35b-a3b": "tiny-hybrid", "qwen3.6-35b-a3b-dense": "tiny"}
-SECTIONS = ("checks", "graphs", "decode", "moe", "moe-tune", "gdn", "engine")
-DEFAULT_SECTIONS = ("checks", "graphs", "decode", "moe", "gdn", "engine")
+SECTIONS = ("checks", "graphs", "decode", "moe", "moe-tune", "gdn", "engine", "profile")
+DEFAULT_SECTIONS = ("checks", "graphs", "decode", "moe", "gdn", "engine", "profile")
+
+
+def _host_ceilings() -> tuple[float, float]:
+    """A smoke run's ceilings: the host's copy GB/s (read + write) and float32 matmul TFLOP/s."""
+    from kernels.gdn_report import copy_gbps
+    a = torch.randn(512, 512)
+    return copy_gbps("cpu"), 2 * 512**3 / bench.median_ms(lambda: a @ a, "cpu") / 1e9
 
 
 def main(argv=None) -> int:
@@ -580,8 +747,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help=f"comma-separated, of {', '.join(SECTIONS)} (moe-tune: a longer MoE search, ~5 min)")
     p.add_argument("--model", default=MODELS[0], choices=MODELS,
-                   help="the model of the graphs and engine sections (default: the hybrid one)")
-    p.add_argument("--layers", type=int, default=40, help="engine section: how many of the model's layers")
+                   help="the model of the graphs, engine and profile sections (default: the hybrid one)")
+    p.add_argument("--layers", type=int, default=40, help="engine and profile sections: how many of the model's layers")
     p.add_argument("--graph-layers", type=int, default=4,
                    help="graphs section: the first layers of --model (4: three Gated DeltaNet and one attention)")
     p.add_argument("--graph-dtypes", default="float32",
@@ -589,13 +756,13 @@ def main(argv=None) -> int:
     p.add_argument("--full-workload", action="store_true",
                    help="engine section: 200 x (1,000 in, 2,000 out) with graphs, instead of 200 out on and off")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu: a smoke run of the graphs, gdn and engine sections on the tiny presets, a few tokens "
-                        "each (gdn: with TRITON_INTERPRET=1)")
+                   help="cpu: a smoke run of the graphs, gdn, engine and profile sections on the tiny presets, a few "
+                        "tokens each (gdn: with TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     sections = args.sections.split(",")
     if args.device == "cpu":
         args.sizes = SMOKE
-        sections = [name for name in sections if name in ("graphs", "gdn", "engine")]
+        sections = [name for name in sections if name in ("graphs", "gdn", "engine", "profile")]
     else:
         args.sizes = Sizes()
         if not torch.cuda.is_available():
@@ -605,10 +772,9 @@ def main(argv=None) -> int:
         say(f"## {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     from kernels.h200_report import ceilings
     copy_gbps = mm_tflops = None
-    if args.device == "cpu" and "gdn" in sections:  # a smoke run: the floors at the host's copy bandwidth
-        from kernels.gdn_report import copy_gbps as host_copy_gbps
-        copy_gbps = host_copy_gbps("cpu")
-    elif {"decode", "moe", "moe-tune", "gdn"} & set(sections):
+    if args.device == "cpu" and {"gdn", "profile"} & set(sections):  # a smoke run: the floors at the host's
+        copy_gbps, mm_tflops = _host_ceilings()
+    elif {"decode", "moe", "moe-tune", "gdn", "profile"} & set(sections):
         copy_gbps, mm_tflops = ceilings()
         say(f"ceilings: copy {copy_gbps:.0f} GB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
         RESULTS["ceilings"] = dict(copy_gbps=copy_gbps, matmul_tflops=mm_tflops)
@@ -630,8 +796,10 @@ def main(argv=None) -> int:
                 section_moe_tune(args, copy_gbps, mm_tflops)
             elif name == "gdn":
                 section_gdn(args, copy_gbps)
-            else:
+            elif name == "engine":
                 section_engine(args)
+            else:
+                section_profile(args, copy_gbps, mm_tflops)
         except Exception as exc:  # report and go on: the other sections still measure
             import traceback
             traceback.print_exc()
