@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._prefill_tokens = 0
         self._generation_tokens = 0
+        self._steps = 0
+        self._step_seconds = 0.0  # wall time inside the steps that ran something: a server's busy time
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise ValueError for a request the engine can never serve."""
@@ -72,10 +75,13 @@ class LLMEngine:
         return request_id
 
     def step(self) -> list[StepOutput]:
+        began = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         sampled = self.model_runner.run(scheduled)
+        self._steps += 1
+        self._step_seconds += time.perf_counter() - began
         for item in scheduled:  # prompt tokens as their chunks run, not all at once at the first output
             self._prefill_tokens += max(0, min(item.num_new_tokens,
                                                item.seq.num_prompt_tokens - item.seq.num_computed_tokens))
@@ -104,9 +110,9 @@ class LLMEngine:
             self.scheduler.abort(seq)
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         s = self.scheduler.stats
         return {"prompt_tokens": self._prompt_tokens, "prefill_tokens": self._prefill_tokens,
-                "generation_tokens": self._generation_tokens,
+                "generation_tokens": self._generation_tokens, "steps": self._steps, "step_seconds": self._step_seconds,
                 "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
                 "preemptions": s.preemptions, "requests_finished": s.requests_finished}

@@ -46,6 +46,9 @@ STAT_COUNTERS = {
     "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "preemptions": ("vllm:num_preemptions", "Requests preempted."),
+    # not vLLM's: what a long-lived server's steps cost against a fresh one's (orchestrator/probes/serving.py)
+    "steps": ("engine:steps", "Engine steps that ran something."),
+    "step_seconds": ("engine:step_seconds", "Wall time inside those steps."),
 }
 
 
@@ -86,7 +89,7 @@ class EngineWorker:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None
-        self.stats: dict[str, int] = dict(engine.stats)
+        self.stats: dict[str, float] = dict(engine.stats)
         self.num_running = 0
         self.num_waiting = 0
 

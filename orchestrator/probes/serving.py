@@ -215,7 +215,7 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
             cpu_end = cpu_clock()
             after = await server_tokens(base_url) if before is not None else None
             if before is not None and after is not None:
-                counters.update({k: after[k] - before[k] for k in SERVER_TOKENS})
+                counters.update({k: after[k] - before[k] for k in after if k in before})
         finally:
             for task in tasks:
                 task.cancel()
@@ -264,11 +264,14 @@ def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple
 
 
 SERVER_TOKENS = {"prefill": "engine:prefill_tokens", "generation": "vllm:generation_tokens"}
+# the engine server's steps and the wall time inside them, where it counts them: a window's steps, their mean
+# length and the share of the window they took tell a slower engine step from time lost around the engine
+SERVER_STEPS = {"steps": "engine:steps", "step_seconds": "engine:step_seconds"}
 
 
-async def counters(base_url: str, names: dict[str, str]) -> dict[str, float] | None:
+async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ...] = ()) -> dict[str, float] | None:
     """The server's counters `names` ({key: family name}, each summed over its labels' ``_total`` samples) from
-    /metrics; None when it answers none, or lacks one of them."""
+    /metrics; None when it answers none, or lacks one of them that is not `optional`."""
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
             resp = await client.get(f"{base_url}/metrics")
@@ -281,13 +284,13 @@ async def counters(base_url: str, names: dict[str, str]) -> dict[str, float] | N
         for key, name in names.items():
             if family.name == name:
                 found[key] = sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return found if len(found) == len(names) else None
+    return found if all(key in found for key in names if key not in optional) else None
 
 
 async def server_tokens(base_url: str) -> dict[str, float] | None:
-    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated; None where it
-    lacks either (vLLM counts a prompt only at its first output)."""
-    return await counters(base_url, SERVER_TOKENS)
+    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated, and of its steps
+    where it has them; None where it lacks either count of tokens (vLLM counts a prompt only at its first output)."""
+    return await counters(base_url, {**SERVER_TOKENS, **SERVER_STEPS}, optional=tuple(SERVER_STEPS))
 
 
 async def prefix_cache_hits(base_url: str) -> float | None:
@@ -548,6 +551,10 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
                           output_throughput=counters["generation"] / duration,
                           total_token_throughput=(counters["prefill"] + cached + counters["generation"]) / duration,
                           tokens_source="server")
+            if counters.get("steps"):
+                result.update(server_steps=round(counters["steps"]),
+                              server_step_ms=1e3 * counters["step_seconds"] / counters["steps"],
+                              server_step_busy=counters["step_seconds"] / duration)
     else:
         hits_before = await prefix_cache_hits(base_url)
         outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout, cpu_clock, start_at)

@@ -7,7 +7,7 @@ with its batch, as a GPU engine's does. A sequence's last prompt chunk gives its
     python batch_model.py --port P [--base S --per-decode S --per-prefill S --budget N --max-seqs N]
 
 serves it over HTTP as the engine server does (streaming /v1/completions, /health, /v1/models, /metrics with
-the engine's token counters), sleeping each step's time. ``steady_rates`` runs the same steps in virtual time
+the engine's token and step counters), sleeping each step's time. ``steady_rates`` runs the same steps in virtual time
 with every slot busy for as long as it takes to forget the start: the truth a window should find.
 """
 from __future__ import annotations
@@ -88,12 +88,13 @@ def steady_rates(costs: Costs, concurrency: int, prompt: int, out: int, cycles: 
 def serve(costs: Costs, port: int) -> None:
     app = FastAPI()
     running: list[Seq] = []
-    counts = {"prefill": 0.0, "generated": 0.0}
+    counts = {"prefill": 0.0, "generated": 0.0, "steps": 0.0, "step_seconds": 0.0}
     wake = asyncio.Event()
 
     class Counters:  # the engine server's names
         def collect(self):
-            for name, key in (("engine:prefill_tokens", "prefill"), ("vllm:generation_tokens", "generated")):
+            for name, key in (("engine:prefill_tokens", "prefill"), ("vllm:generation_tokens", "generated"),
+                              ("engine:steps", "steps"), ("engine:step_seconds", "step_seconds")):
                 family = CounterMetricFamily(name, key, labels=["model_name"])
                 family.add_metric(["batch-model"], counts[key])
                 yield family
@@ -111,6 +112,8 @@ def serve(costs: Costs, port: int) -> None:
             await asyncio.sleep(seconds)
             counts["prefill"] += p
             counts["generated"] += g
+            counts["steps"] += 1
+            counts["step_seconds"] += seconds
             for s in batch:
                 if s.generated:
                     s.tokens.put_nowait(s.generated)

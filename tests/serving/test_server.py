@@ -171,6 +171,9 @@ def test_metrics_count_requests_and_tokens(server):
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 7
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 5
     assert after["vllm:time_to_first_token_seconds_count"] > before["vllm:time_to_first_token_seconds_count"]
+    # one step per token of a lone request (its 5-token prompt in one chunk gives the first), each timed
+    assert after["engine:steps_total"] - before["engine:steps_total"] == 7
+    assert after["engine:step_seconds_total"] > before["engine:step_seconds_total"]
 
 
 BAD_REQUESTS = {

@@ -89,6 +89,10 @@ def test_a_window_from_an_idle_server_measures_the_steady_state_of_a_server_whos
     assert out["tokens_source"] == "server" and out["fill_seconds"] > 0.3  # 8,000 prompt tokens came first
     assert out["score"] == pytest.approx(truth, rel=0.12), (out["score"], truth)
     assert out["output_throughput"] == pytest.approx(generated_rate, rel=0.12)
+    # the server's own steps: busy all the window, each of 16 decoding sequences (and a prompt's chunks)
+    assert out["server_step_busy"] == pytest.approx(1.0, abs=0.1), out
+    assert out["server_step_ms"] == pytest.approx(1e3 * 16 / generated_rate, rel=0.12), out
+    assert out["server_steps"] * out["server_step_ms"] == pytest.approx(1e3 * out["server_step_busy"] * 2, rel=0.01)
 
 
 def test_a_server_that_runs_fewer_sequences_than_the_wave_is_measured_after_half_a_window_of_fill(tmp_path):
