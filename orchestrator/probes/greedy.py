@@ -174,23 +174,36 @@ def judge(reference: dict, model: str, outputs: list[dict], mode: str, args: arg
     return cmp
 
 
-def kernel_checks(command: str | None) -> list[dict]:
-    """The target's kernel check (``--check-command``): each entry of its result's ``checked``, or one entry
-    for the whole; nothing when no command is given."""
+def start_checks(command: str | None) -> subprocess.Popen | None:
+    """The target's kernel check (``--check-command``), started; None when no command is given."""
+    if not command:
+        return None
+    try:
+        return subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError:
+        return None  # kernel_checks tries again and says why
+
+
+def kernel_checks(command: str | None, started: subprocess.Popen | None = None) -> list[dict]:
+    """The kernel check's result (``started`` if given, else run now): each entry of its result's ``checked``, or
+    one entry for the whole; nothing when no command is given."""
     if not command:
         return []
     try:
-        proc = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=CHECK_TIMEOUT)
+        proc = started or start_checks(command)
+        out, err = proc.communicate(timeout=CHECK_TIMEOUT)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return [{"passed": False, "error": f"the kernel check timed out after {CHECK_TIMEOUT} s"}]
     except OSError as exc:
         return [{"passed": False, "error": f"cannot run the kernel check {command!r}: {exc}"}]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    lines = [line for line in out.splitlines() if line.strip()]
     try:
         result = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         return [{"passed": False, "error": f"the kernel check exited {proc.returncode} without a JSON result: "
-                                            f"{proc.stderr.strip()[-500:]}"}]
+                                            f"{err.strip()[-500:]}"}]
     checked = result.get("checked") or []
     return checked if checked else [{"passed": bool(result.get("passed")) and proc.returncode == 0}]
 
@@ -222,7 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     p.add_argument("--token-id-range", type=int, nargs=2, default=list(TOKEN_RANGE), metavar=("LOW", "HIGH"))
     p.add_argument("--check-command", help="a command checking the kernels the server runs (its last stdout line: "
-                   "JSON with `passed` and `checked`), run after the completions")
+                   "JSON with `passed` and `checked`), run beside the completions of --base-url, after "
+                        "those of a server of the probe's own")
     args = p.parse_args(argv)
     if min(args.lengths) < 1 or args.max_tokens < 1:
         p.error("--lengths and --max-tokens must be at least 1")
@@ -274,9 +288,17 @@ def run(args: argparse.Namespace) -> dict:
                            "remove the file to record anew")
     mode, declared = mode_of(args)
     # the baseline is asked twice: exact comparison means something only where it reproduces itself
-    model, passes, facts = serve_and_generate(args, prompts, 2 if reference is None else 1)
+    # a running server's kernels are checked while it answers; ours first releases the card
+    started = start_checks(args.check_command) if args.base_url else None
+    try:
+        model, passes, facts = serve_and_generate(args, prompts, 2 if reference is None else 1)
+    except BaseException:
+        if started is not None:
+            started.kill()
+            started.communicate()
+        raise
     outputs = passes[0]
-    checks = kernel_checks(args.check_command)  # once the server (if ours) has released the card
+    checks = kernel_checks(args.check_command, started)
     result: dict = {"model": model, "reference": str(args.reference), "prompts": len(prompts), **facts}
     if reference is None:
         deterministic = passes[0] == passes[1]

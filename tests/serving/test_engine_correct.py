@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import httpx
 import psutil
 import pytest
 
@@ -230,3 +231,32 @@ def test_compare_dtype_runs_the_prompts_in_float32_and_checks_kernels_in_the_dep
     rc, out = probe(capsys, "--reference", str(ref), "--config", bad, "--compare-dtype", "float32",
                     "--kernel-checks", "none")
     assert rc == 1 and out["passes"]["long_decode"]["early_divergence_fraction"] >= 6 / 14
+
+
+def test_a_running_servers_kernels_are_checked_while_it_answers_the_prompts(server, tmp_path):
+    """Against --base-url (the live correctness probe on a GPU) the kernel check starts with the completions, not
+    after them: it finds the server still answering the probe's prompts, and its result is the probe's."""
+    def finished() -> float:
+        text = httpx.get(f"{server}/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total"))
+
+    check = tmp_path / "check.py"
+    check.write_text(
+        "import json, urllib.request\n"
+        f"text = urllib.request.urlopen('{server}/metrics').read().decode()\n"
+        "done = sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith('vllm:request_success_total'))\n"
+        "print(json.dumps({'passed': True, 'checked': [{'passed': True, 'finished': done}]}))\n")
+    before = finished()
+    lengths = ["1", "7", "16", "17", "33", "64", "150", "200"]
+    proc = subprocess.run([PY, "-m", "orchestrator.probes.greedy", "--reference", str(tmp_path / "ref.json"),
+                           "--base-url", server, "--lengths", *lengths, "--max-tokens", "24",
+                           "--check-command", f"{PY} {check}"],
+                          capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    out = last_json(proc.stdout)
+    assert out["recorded"] and out["passed"]
+    [checked] = out["kernel_checks"]
+    asked = 2 * len(lengths)  # the reference is recorded from two passes
+    assert finished() - before == asked
+    assert checked["finished"] - before < asked / 2, checked
