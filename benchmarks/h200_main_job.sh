@@ -4,6 +4,8 @@
 #   bash benchmarks/h200_main_job.sh poll               # polls; send it again right after the last one returns
 #   RESUME=.resume/state.tgz bash benchmarks/h200_main_job.sh start [run args]
 #                                                       # continues a run cut short on an earlier machine
+#   RESUME=.resume/state.tgz bash benchmarks/h200_main_job.sh calibrate --num-layers 4 --starts 10
+#                                                       # an A/A calibration of the state a run left, then polls
 # Each call polls `orchestrator status` until the run ends or POLL_SECONDS pass (default 480, so that the call,
 # the wheels' install included, ends well inside a command's 10 minutes: a command cut there returns no output).
 # The status JSON, the log and the database are written to $OUT after every poll, and the report (Markdown and
@@ -21,9 +23,11 @@ ROOT=/tmp/proj
 RUN=${RUN_DIR:-/tmp/main-job}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH="$ROOT:/tmp/site" PYTHONUNBUFFERED=1
 orch() { (cd "$RUN" && python3 -m orchestrator.cli "$@"); }
-if [ "${1:-poll}" = start ]; then
+WHAT="orchestrator.cli [a-z]* --device cuda"
+if [ "${1:-poll}" = start ] || [ "${1:-poll}" = calibrate ]; then
+  if [ "$1" = start ]; then COMMAND=run; else COMMAND=calibrate; fi
   shift
-  if pgrep -f "orchestrator.cli run --device cuda" > /dev/null; then echo "a run is going: poll it"; exit 3; fi
+  if pgrep -f "$WHAT" > /dev/null; then echo "a run is going: poll it"; exit 3; fi
   rm -rf "$ROOT" && cp -r "$TREE" "$ROOT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl || exit 9
   mkdir -p "$RUN"
@@ -34,12 +38,12 @@ if [ "${1:-poll}" = start ]; then
   nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
   # setsid forks when its caller leads a process group, so $! is not the run's pid: the run is found by its
   # command line (a second `start` while one runs is refused by the state folder's lock, and says so in its log)
-  (cd "$RUN" && setsid nohup python3 -m orchestrator.cli run --device cuda --preset qwen3.6-35b-a3b "$@" \
-     > "$RUN/run.log" 2>&1 < /dev/null &)
+  (cd "$RUN" && setsid nohup python3 -m orchestrator.cli $COMMAND --device cuda --preset qwen3.6-35b-a3b "$@" \
+     >> "$RUN/run.log" 2>&1 < /dev/null &)
   sleep 2
-  echo "started: orchestrator run --device cuda --preset qwen3.6-35b-a3b $*"
+  echo "started: orchestrator $COMMAND --device cuda --preset qwen3.6-35b-a3b $*"
 fi
-running() { pgrep -f "orchestrator.cli run --device cuda" > /dev/null; }
+running() { pgrep -f "$WHAT" > /dev/null; }
 deadline=$(( $(date +%s) + ${POLL_SECONDS:-480} ))
 while running && [ "$(date +%s)" -lt "$deadline" ]; do sleep 10; done
 orch status 2>&1 | tail -40
