@@ -1,5 +1,5 @@
 """`orchestrator run`: the baseline (and, where the policy asks and none is recorded here, an A/A calibration of
-it), each plugin staged in order against the last kept state, then the stack the run kept re-measured. However
+it, or of the first state the run keeps), each plugin staged in order against the last kept state, then the stack the run kept re-measured. However
 the run ends it is recorded, and a signal or a crash first restores the last kept state. A run that stopped on an
 environment failure, a signal or the loss of its process or machine is continued by the next one."""
 from __future__ import annotations
@@ -62,7 +62,8 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                 chosen = [p for p in plugins if not ((only and p.id not in only) or (skip and p.id in skip))]
                 stager.settle(plugins, {p.id for p in chosen if p.id not in earlier})
                 stager.baseline()
-                if noise is None and project.policy.calibrate and prober.throughput:
+                calibrate = project.policy.calibrate if noise is None and prober.throughput else None
+                if calibrate and (calibrate.at == "start" or screening is not None):
                     stager.noise = restack.noise = calibrated(ctx, prober, kept)
                 if screening is not None:
                     screening.stage(chosen, earlier)
@@ -70,8 +71,10 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                     for plugin in chosen:
                         if plugin.id in earlier:
                             stager.decided_earlier(plugin, earlier[plugin.id])
-                        else:
-                            stager.stage(plugin)
+                            continue
+                        if stager.noise is None and calibrate and deployment.kept_by([*chain, ctx.run_id]):
+                            stager.noise = restack.noise = calibrated(ctx, prober, kept)  # of the first kept state
+                        stager.stage(plugin)
                 kept_steps = deployment.kept_by([*chain, ctx.run_id])
                 if prober.throughput and kept_steps:
                     restack.revalidate(kept_steps)
@@ -97,7 +100,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
 
 
 def calibrated(ctx: RunContext, prober: Prober, kept: KeptState) -> Noise:
-    """An A/A calibration of the baseline in the run's pairing; where it finds that woken servers do not measure
+    """An A/A calibration of the kept state in the run's pairing; where it finds that woken servers do not measure
     like fresh ones, the run restarts servers instead, judged by a calibration of that (taken now if none is)."""
     policy = ctx.project.policy
     noise = calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs)

@@ -13,13 +13,17 @@ MAX_SAMPLES = 100  # upper bound of repeats and pairs: each one is a probe run, 
 
 
 class Calibrate(BaseModel):
-    """An A/A test of the state the run starts from, taken before anything is staged when no calibration of this
-    environment is recorded: `starts` fresh candidate servers of that state, `pairs` pairs each against the kept
-    state's server (orchestrator/calibrate.py)."""
+    """An A/A test taken when no calibration of this environment is recorded: `starts` fresh candidate servers of
+    one state, `pairs` pairs each against the kept state's server (orchestrator/calibrate.py). `at: start`: of the
+    state the run starts from, before anything is staged. `at: first_keep`: of the first state the run keeps,
+    before the first plugin judged against it (decisions against the baseline are judged without one), for a
+    baseline unlike the states that follow it (the seed's runs one sequence at a time: its noise says nothing of
+    a state that runs 256)."""
 
     model_config = STRICT
     starts: int = Field(4, ge=3, le=50)
     pairs: int = Field(2, ge=2, le=20)
+    at: Literal["start", "first_keep"] = "start"
 
 
 class Policy(BaseModel):

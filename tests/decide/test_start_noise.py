@@ -130,6 +130,27 @@ def test_a_run_whose_calibration_finds_fresh_servers_ahead_starts_the_kept_serve
         assert arms.count("live server (baseline)") == arms.count("live server (candidate)") >= 1, started
 
 
+def test_a_calibration_at_the_first_keep_measures_the_state_the_later_decisions_are_judged_against(tmp_path):
+    """`at: first_keep`: nothing is calibrated until a plugin is kept; then the kept state (25% faster) is, before
+    the next plugin. The decision before it is judged without start effects, those after with them."""
+    plugins = {"no-op-0": None, "faster": "1.25", "no-op-1": None}
+    policy = {"min_gain": 0.02, "min_pairs": 2, "max_pairs": 4,
+              "calibrate": {"starts": 3, "pairs": 2, "at": "first_keep"}}
+    root = project(tmp_path, plugins, policy)
+    cli(root, "run")
+    steps = rows(root, "SELECT * FROM steps ORDER BY id")
+    order = [s["plugin"] for s in steps if s["kind"] in ("attempt", "calibration")]
+    assert order == ["no-op-0", "faster", "(A/A 1)", "(A/A 2)", "(A/A 3)", "no-op-1"], order
+    assert next(s for s in steps if s["plugin"] == "faster")["outcome"] == "kept"
+    [c] = rows(root, "SELECT * FROM calibrations")
+    blocks = json.loads(c["summary"])["blocks"]
+    assert all(1.1 < v < 1.4 for b in blocks for v in b["base"] + b["cand"]), blocks  # the kept state's speed
+    decisions = {s["plugin"]: json.loads(d["decision"]) for s in steps if s["kind"] == "attempt"
+                 for d in rows(root, f"SELECT decision FROM decisions WHERE step_id = {s['id']}")}
+    assert decisions["no-op-0"]["between"] is None and decisions["faster"]["between"] is None
+    assert decisions["no-op-1"]["between"] == c["between_sd"] > 0
+
+
 def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
     plugins = {f"no-op-{i}": None for i in range(NO_OPS // 2)}
     plugins["faster"] = "1.25"
