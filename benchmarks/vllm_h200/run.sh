@@ -9,7 +9,8 @@
 #   bash benchmarks/vllm_h200/run.sh results                    # status --json, report, figures into $OUT
 #
 # A part (PARTS below) fits about 20 minutes of the H200 (orchestrator.yaml gives the cost split); each starts
-# from the serve config the part before kept: FROM=kept-serve.yaml (a part's `results`) to continue from one.
+# from the serve config the part before kept: FROM=kept-serve.yaml (a part's `results`) to continue from one. The
+# first part calibrates the first state it keeps; a part started FROM a kept stack calibrates that stack first.
 # Each command returns within seconds; `stage` and `compare` leave their work running detached from a copy of
 # the project in /tmp/proj (each command on such a machine re-copies the working tree, which would pull the code
 # from under a job started inside it; logs in /tmp/h200-run).
@@ -86,6 +87,8 @@ case ${1:-} in
         setup
         if [[ -n ${FROM:-} ]]; then
             cp "$FROM" "$WORK/serve/serve.yaml"
+            # a later part starts from a kept stack, not from the seed's one-sequence baseline: it calibrates that
+            sed -i 's/at: first_keep/at: start/' "$CONFIG"
         elif [[ ! -f $WORK/serve/serve.yaml ]]; then
             cp "$HERE/serve.yaml" "$WORK/serve/serve.yaml"
         fi
