@@ -99,8 +99,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
         run.store.event(run.run_id, "warning", f"A/A: fresh servers of the state measured {fresh['mean']:+.2%} "
                         f"[{fresh['low']:+.2%}, {fresh['high']:+.2%}] against the kept state's server, which the judge "
                         f"takes for 0: a change of no effect with that offset is kept in {fresh['keep_rate']:.0%} of "
-                        "simulated decisions; runs judging by this calibration start the kept state's server afresh "
-                        "for every decision, so that both arms are as fresh")
+                        "simulated decisions")
     summary.update(
         pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
         simulated=simulated, fresh_offset=fresh, blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks])
@@ -113,8 +112,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                                            pairs=pairs, within_sd=within, between_sd=between, between_df=df,
                                            start_seconds=start_s, pair_seconds=pair_s, summary=summary,
                                            fingerprint=fingerprint())
-    return Noise(within, between, df, start_s, pair_s, calibration_id, noise.wake, noise.wake_p, noise.still,
-                 shift[0] if "keep_rate" in fresh else None)
+    return Noise(within, between, df, start_s, pair_s, calibration_id, noise.wake, noise.wake_p, noise.still)
 
 
 def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_restarted: bool,
@@ -194,11 +192,9 @@ def latest(store, objective: str | None, pairing: str) -> Noise | None:
         recorded = loads(row["fingerprint"])
         if recorded and is_stale(recorded, current):
             continue
-        summary = loads(row["summary"]) or {}
-        wake, fresh = summary.get("wake") or {}, summary.get("fresh_offset") or {}
+        wake = (loads(row["summary"]) or {}).get("wake") or {}
         return Noise(row["within_sd"], row["between_sd"], row["between_df"], row["start_seconds"], row["pair_seconds"],
-                     row["id"], wake.get("spread"), wake.get("p"), wake.get("still"),
-                     math.log1p(fresh["mean"]) if "keep_rate" in fresh else None)
+                     row["id"], wake.get("spread"), wake.get("p"), wake.get("still"))
     return None
 
 

@@ -38,7 +38,6 @@ class Noise:
     wake: float | None = None  # RMS change of log(objective) a sleep and a wake make to one server (sleeping pairing)
     wake_p: float | None = None  # the chance of a `wake` this large were a wake to change nothing (an F test)
     still: float | None = None  # sd of log(objective) from one sample to the next of a server with no sleep between
-    offset: float | None = None  # log(fresh / kept) of the A/A blocks where its interval excluded 0 (`offset`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,8 +7,7 @@ the judge decides.
 - `Together`: each arm has a live server of its own, started on its state and alive for the whole block of
   pairs, pinned (it has read its state, so it serves that state whatever is on disk). `coresident`: sampled one
   after the other in the same C B, B C order (one GPU); the kept state's server stays alive from one candidate
-  to the next, unless the calibration found fresh servers measuring apart from a long-lived one (noise.offset):
-  then it starts afresh with each candidate's. `sleeping`: as coresident, but only one awake at a time (state_server.py): the one not sampled
+  to the next. `sleeping`: as coresident, but only one awake at a time (state_server.py): the one not sampled
   sleeps, so each switch of arm costs a sleep and a wake instead of a server start (vLLM on one GPU, which holds
   most of the card). `simultaneous`: both samples of a pair measured at once from one agreed instant
   (START_AT_ENV), both servers on one core while the probes run on the others (Target.probe_cpus): the OS
@@ -161,9 +160,7 @@ class Together(Pairing):
     def begin(self, step_id, name, base, cand):
         if self.prober.disk.up:
             self.prober.release()  # whatever served the state on disk before has no part in this
-        # the kept state's server is reused unless the calibration found fresh servers measure apart from it
-        aged = self.noise is not None and self.noise.offset is not None
-        self.ensure(step_id, 0, name, base, cand, fresh=self.mode == "simultaneous" or aged)
+        self.ensure(step_id, 0, name, base, cand, fresh=self.mode == "simultaneous")
 
     def new_block(self, step_id, n, name, base, cand):
         self.ensure(step_id, n, name, base, cand, fresh=True)
