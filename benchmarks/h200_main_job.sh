@@ -13,8 +13,9 @@
 # The machine keeps /tmp only while it stays up, so the calls must follow each other without a pause.
 # Every poll also returns the state folder (state.tgz: the history, the intent log and pre-images, the engine
 # workspace). A machine lent for a limited time may go before the run ends: started again with RESUME naming that
-# file (carried in an ignored folder of the checkout), the state folder is put back where it was and the run that
-# was cut short is continued (docs/orchestrator.md, "Continuing"), the calibration found recorded.
+# file (copied to .resume/, which git ignores, and carried: carry [".whl", ".resume"]), the state folder is put back
+# where it was and the run that was cut short is continued (docs/orchestrator.md, "Continuing"), the calibration
+# found recorded.
 # The run works from a copy of the project in /tmp/proj: each command on such a machine re-copies the working tree,
 # which would pull the code from under a run started inside it.
 set -u
