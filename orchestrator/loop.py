@@ -1,7 +1,8 @@
 """`orchestrator run`: the baseline (and, where the policy asks and none is recorded here, an A/A calibration of
-it, or of the first state the run keeps), each plugin staged in order against the last kept state, then the stack the run kept re-measured. However
-the run ends it is recorded, and a signal or a crash first restores the last kept state. A run that stopped on an
-environment failure, a signal or the loss of its process or machine is continued by the next one."""
+it, or of the first state the run keeps), each plugin staged in order against the last kept state, then the stack
+the run kept re-measured. However the run ends it is recorded, and a signal or a crash first restores the last kept
+state. A run cut short (an environment failure, a signal, the loss of its process or machine) is continued by the
+next one."""
 from __future__ import annotations
 
 import gc
@@ -62,8 +63,8 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                 chosen = [p for p in plugins if not ((only and p.id not in only) or (skip and p.id in skip))]
                 stager.settle(plugins, {p.id for p in chosen if p.id not in earlier})
                 stager.baseline()
-                calibrate = project.policy.calibrate if noise is None and prober.throughput else None
-                if calibrate and (calibrate.at == "start" or screening is not None):
+                calibration = project.policy.calibrate if noise is None and prober.throughput else None
+                if calibration and (calibration.at == "start" or screening is not None):
                     stager.noise = restack.noise = calibrated(ctx, prober, kept)
                 if screening is not None:
                     screening.stage(chosen, earlier)
@@ -72,7 +73,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                         if plugin.id in earlier:
                             stager.decided_earlier(plugin, earlier[plugin.id])
                             continue
-                        if stager.noise is None and calibrate and deployment.kept_by([*chain, ctx.run_id]):
+                        if stager.noise is None and calibration and deployment.kept_by([*chain, ctx.run_id]):
                             stager.noise = restack.noise = calibrated(ctx, prober, kept)  # of the first kept state
                         stager.stage(plugin)
                 kept_steps = deployment.kept_by([*chain, ctx.run_id])
