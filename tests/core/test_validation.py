@@ -98,6 +98,8 @@ def test_bad_manifest_through_the_real_cli(tmp_path):
     (lambda c: c["policy"].update(guardrails={"p99_ms": "small please"}), "guardrail 'p99_ms': cannot parse"),
     (lambda c: c["policy"].update(repeats="3"), "policy.repeats: Input should be a valid integer"),
     (lambda c: c["probes"][0].update(timeout="30"), "probes.0.timeout: Input should be a valid number"),
+    (lambda c: c["policy"].update(calibrate={"starts": 3, "pairs": 2, "at": "later"}),
+     "policy.calibrate.at: Input should be 'start' or 'first_keep'"),
 ])
 def test_bad_config_exits_2(tmp_path, mutate, expected):
     project = make_project(tmp_path / "p", plugins=["speedup"])
