@@ -577,7 +577,7 @@ KERNEL_RULES = [
     (ATTENTION, r"^_(split|reduce|prefill)_kernel|index_put"),  # v2_triton, the prefill; the K/V cache writes
     (GDN, r"^_(recurrent|chunk_prepare|chunk_scan|conv|gating|norm_gated)_kernel|softplus|conv1d|conv_depthwise"
           r"|index_copy|index_fill"),  # torch: the gates, the convolution, the state slots' writes
-    (ROUTING, r"^_(route|align)_kernel|topk|softmax|sort|scatter|index_add|indexFunc|cumsum|DeviceScan"),
+    (ROUTING, r"^_(route|align)(_[a-z]+)?_kernel|topk|softmax|sort|scatter|index_add|indexFunc|cumsum|DeviceScan"),
     (NORMS, r"^_(rms_norm|qk_norm_rope)_kernel|rms_?norm|layer_?norm|rsqrt|\b(cos|sin)(_kernel|$)"),  # rope angles
     (PROJECTIONS, r"nvjet|gemm|gemv|cutlass|cublas|splitK|^aten::(mm|addmm|linear|matmul)$"),
 ]

@@ -92,6 +92,7 @@ class EngineWorker:
         self.stats: dict[str, float] = dict(engine.stats)
         self.num_running = 0
         self.num_waiting = 0
+        self.paused = False  # written by the engine thread only, between steps
 
     def start(self) -> None:
         self._thread.start()
@@ -114,11 +115,22 @@ class EngineWorker:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    async def set_paused(self, paused: bool) -> None:
+        """Stop stepping (or step again) once the step under way has ended: requests keep their place, their
+        cache and their open streams, and requests that arrive meanwhile queue. Returns once no step runs (or the
+        loop has ended: then none ever will)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(("pause", paused, loop, done))
+        while not done.done() and self._thread.is_alive():
+            await asyncio.wait([done], timeout=0.5)
+
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._drain(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
+                busy = self.engine.has_unfinished() and not self.paused
+                self._drain(block=not busy)
+                if self.engine.has_unfinished() and not self.paused:
                     self._publish(self.engine.step())
         except BaseException as exc:  # the engine is unusable now: fail everyone who waits
             self.error = exc
@@ -138,6 +150,10 @@ class EngineWorker:
             pass
 
     def _handle(self, item: tuple) -> None:
+        if item[0] == "pause":
+            _, self.paused, loop, done = item
+            loop.call_soon_threadsafe(done.set_result, None)
+            return
         if item[0] == "abort":
             if self._streams.pop(item[1], None) is not None:
                 self.engine.abort(item[1])
@@ -457,6 +473,34 @@ async def health(request: Request) -> Response:
     if not worker.alive:
         return error_response(f"engine stopped: {worker.error!r}", 503)
     return Response(status_code=200)
+
+
+@router.post("/pause")
+async def pause(request: Request, mode: str = "abort") -> Response:
+    """vLLM's `/pause` (its development endpoints): `mode=keep` freezes every request where it is until `/resume`,
+    so that a server measured in turns with another on one GPU goes on from the state it was in, with no
+    refill. vLLM's other modes (`abort`, its default, and `wait`) end or finish the requests first: not offered."""
+    if mode != "keep":
+        raise BadRequest(f"mode {mode!r}: this server pauses with mode=keep only", "mode")
+    return await _set_paused(request, True)
+
+
+@router.post("/resume")
+async def resume(request: Request) -> Response:
+    return await _set_paused(request, False)
+
+
+async def _set_paused(request: Request, paused: bool) -> Response:
+    worker = request.app.state.worker
+    if not worker.alive:
+        return error_response(f"engine stopped: {worker.error!r}", 503)
+    await worker.set_paused(paused)
+    return Response(status_code=200)
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict:
+    return {"is_paused": request.app.state.worker.paused}
 
 
 @router.get("/v1/models")

@@ -137,13 +137,15 @@ def cases(names: list[str], quick: bool = False):
             args = inputs.prefix_prefill([(40, 70)], dtype=dtype, **bench.ATTENTION)
             out.append((f"triton {_dt(dtype)} head 256", dtype, lambda a=args, f=fn: f(**a, max_query_len=70)))
     if "moe" in names:
-        from kernels import moe_triton
-        moe_triton.align_block_size = _shape_only_align
         fn = kernels.get("moe", "triton")
         sizes = [(torch.bfloat16, t) for t in ((256, 2048) if quick else (1, 8, 64, 256, 512, 2048, 16384))]
         for dtype, tokens in sizes + ([] if quick else [(torch.float32, t) for t in (1, 256, 4096)]):
             args = _moe_args(tokens, dtype, **bench.MOE)
             out.append((f"triton {_dt(dtype)} {tokens} tokens", dtype, lambda a=args, f=fn: f(**a)))
+        # the engine's Qwen3.6 layers: a shared expert too, so 9 pairs a token (144 a routing program)
+        args = dict(_moe_args(128, torch.bfloat16, **{**bench.MOE, "experts": bench.MOE["experts"] + 1}),
+                    shared_experts=1)
+        out.append(("triton bfloat16 128 tokens, shared expert", torch.bfloat16, lambda a=args, f=fn: f(**a)))
         small = dict(hidden=512, experts=32, intermediate=128, top_k=4)  # the engine's small preset
         for tokens in (12,) if quick else (12, 64, 1024):
             args = _moe_args(tokens, torch.float32, **small)
@@ -172,14 +174,6 @@ def cases(names: list[str], quick: bool = False):
 
 def _dt(dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _shape_only_align(ids, num_experts, block_m):
-    """``routing.align_block_size``'s outputs, right in shape only: nothing runs here, so the
-    routing it would sort is uninitialised memory."""
-    cap = -(-(ids.numel() + num_experts * (block_m - 1)) // block_m) * block_m
-    return (torch.full((cap,), ids.numel(), dtype=torch.int32),
-            torch.full((cap // block_m,), -1, dtype=torch.int32))
 
 
 def _moe_args(tokens, dtype, hidden, experts, intermediate, top_k):

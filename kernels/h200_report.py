@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import bench
+from kernels import bench, moe_triton
 from kernels.moe_triton import table_config
-from kernels.routing import align_block_size, route
 
 
 class Report:
@@ -171,7 +170,8 @@ def moe_tables(rep, copy_gbps, mm_tflops, quick):
             rep.rows.append(dict(table="moe", tokens=t, variant=v, ms=ms))
             row.append(ms)
         block_m = moe_triton_block_m(t)
-        route_ms = _time(lambda: align_block_size(route(args["router_logits"], 8, True)[1], 256, block_m))
+        route_ms = _time(lambda: moe_triton.route_and_align(args["router_logits"], bench.MOE["top_k"], True, 0,
+                                                            block_m))
         best = None
         for cfg in MOE_CONFIGS:
             ms = _time(lambda: tri(**args, config=cfg))

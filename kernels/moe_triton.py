@@ -1,12 +1,13 @@
 """MoE as two grouped GEMMs in Triton over expert-aligned row blocks, in the manner of vLLM's fused_moe.
 
 One kernel routes (softmax, top-k, renormalisation and the shared experts' sigmoid gates, see
-``routing.route``); one more groups the token-expert pairs by expert and pads every expert's group
-to a multiple of BLOCK_M (vLLM's ``moe_align_block_size``: histogram, prefix sum, scatter, in a
-single program), so that each GEMM program's rows share one expert. The first GEMM computes gate
-and up projections together and writes ``silu(gate) * up``; the second applies the down projection
-and the routing weight; a sum over each token's rows gives the output. Five launches, none of
-which waits on the device, so the whole MoE can be captured in a CUDA graph.
+``routing.route``) and counts each 16 tokens' pairs per expert; two more group the token-expert pairs by
+expert and pad every expert's group to a multiple of BLOCK_M (vLLM's ``moe_align_block_size``: one
+program's prefix sums over those histograms, then a scatter), so that each GEMM program's rows share
+one expert. The first GEMM computes gate and up projections together and writes ``silu(gate) * up``;
+the second applies the down projection and the routing weight; a sum over each token's rows gives the
+output. Six launches, none of which waits on the device, so the whole MoE can be captured in a CUDA
+graph.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kernels import triton_env
-from kernels.routing import align_block_size, check_moe
+from kernels.routing import check_moe
 
 import triton  # noqa: E402  (after triton_env: see its docstring)
 import triton.language as tl  # noqa: E402
@@ -72,10 +73,11 @@ def _grouped_gemm(A, W, OUT, PAIRS, BLOCK_EXPERT, ROUTE_W, num_pairs, n_out, k_i
 
 
 @triton.jit
-def _route_kernel(LOGITS, WEIGHTS, IDS, tokens, sl0, ROUTED: tl.constexpr, E_PAD: tl.constexpr,
+def _route_kernel(LOGITS, WEIGHTS, IDS, COUNTS, tokens, sl0, ROUTED: tl.constexpr, E_PAD: tl.constexpr,
                   TOP_K: tl.constexpr, SHARED: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
-    """``routing.route`` for BLOCK_T tokens: weights float32 and expert ids int32, [tokens, TOP_K + SHARED]."""
+                  BLOCK_T: tl.constexpr, BINS: tl.constexpr):
+    """``routing.route`` for BLOCK_T tokens: weights float32 and expert ids int32, [tokens, TOP_K + SHARED];
+    with BINS, also the expert histogram of its pairs into COUNTS (the alignment's first step)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < tokens
     e = tl.arange(0, E_PAD)
@@ -104,73 +106,151 @@ def _route_kernel(LOGITS, WEIGHTS, IDS, tokens, sl0, ROUTED: tl.constexpr, E_PAD
     out = t[:, None] * (TOP_K + SHARED) + k
     tl.store(WEIGHTS + out, weights, mask=ok)
     tl.store(IDS + out, ids, mask=ok)
+    if BINS:  # lanes that are no pair count in the bin past the experts
+        binned = tl.reshape(tl.where(ok, ids, ROUTED + SHARED), [BLOCK_T * K_PAD])
+        tl.store(COUNTS + tl.program_id(0) * BINS + tl.arange(0, BINS), tl.histogram(binned, BINS))
+
+
+ALIGN_SUB = 128  # pairs a program of the stand-alone alignment counts and scatters
 
 
 @triton.jit
-def _align_kernel(IDS, SORTED, BLOCK_EXPERT, numel, cap, num_blocks,
-                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """``routing.align_block_size`` in one program: per-expert counts, padded prefix sums, then each
-    pair scattered to its expert's next row (rows of one expert in pair order)."""
+def _align_count_kernel(IDS, COUNTS, numel, E: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr):
+    """The expert histogram of SUB pairs (lanes past the pairs count in bin E, no expert's)."""
+    sub = tl.program_id(0)
+    p = sub * SUB + tl.arange(0, SUB)
+    ids = tl.load(IDS + p, mask=p < numel, other=E).to(tl.int32)
+    tl.store(COUNTS + sub * E_PAD + tl.arange(0, E_PAD), tl.histogram(ids, E_PAD))
+
+
+@triton.jit
+def _align_scan_kernel(COUNTS, PAD, subs, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       TILE: tl.constexpr):
+    """One program: each histogram row turned, in place, into the pairs of each expert before that row's pairs;
+    then each expert's padded group: PAD's rows are where it starts, where it ends, and its pairs."""
     e = tl.arange(0, E_PAD)
-    c = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_PAD], tl.int32)
-    for p0 in range(0, numel, CHUNK):
-        ids = tl.load(IDS + p0 + c, mask=p0 + c < numel, other=E_PAD)
-        counts += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), 1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    s = tl.arange(0, TILE)
+    before = tl.zeros([E_PAD], tl.int32)
+    for s0 in range(0, subs, TILE):
+        ok = (s0 + s < subs)[:, None]
+        at = COUNTS + (s0 + s)[:, None] * E_PAD + e[None, :]
+        counts = tl.load(at, mask=ok, other=0)
+        tl.store(at, tl.cumsum(counts, 0) - counts + before[None, :], mask=ok)
+        before += tl.sum(counts, 0)
+    padded = tl.where(e < E, (before + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     pad_end = tl.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    for r0 in range(0, cap, CHUNK):
-        tl.store(SORTED + r0 + c, tl.zeros([CHUNK], tl.int32) + numel, mask=r0 + c < cap)
-    for b0 in range(0, num_blocks, CHUNK):
-        b = b0 + c  # the expert of block b: how many experts' padded groups end at or before its first row
+    tl.store(PAD + e, pad_end - padded)
+    tl.store(PAD + E_PAD + e, pad_end)
+    tl.store(PAD + 2 * E_PAD + e, before)
+
+
+@triton.jit
+def _align_scatter_kernel(IDS, COUNTS, PAD, SORTED, BLOCK_EXPERT, numel, sub_pairs, num_blocks, blocks_per,
+                          E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, SUB_PAD: tl.constexpr,
+                          CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Each of the program's `sub_pairs` pairs to its row: its expert's group start, the pairs of that expert in
+    earlier programs, and those earlier in this program (pair order within an expert, as a stable sort), CHUNK
+    pairs at a time against each earlier chunk (a [SUB_PAD, SUB_PAD] comparison at once spills registers at
+    144 pairs). Then its share of the BLOCK_M-row blocks: each block's expert (-1 past the groups), and
+    ``numel`` in its rows that no pair takes."""
+    sub = tl.program_id(0)
+    i = tl.arange(0, CHUNK)
+    for c in tl.static_range(SUB_PAD // CHUNK):
+        p = sub * sub_pairs + c * CHUNK + i
+        ok = (c * CHUNK + i < sub_pairs) & (p < numel)
+        ids = tl.load(IDS + p, mask=ok, other=0).to(tl.int32)
+        earlier = tl.sum(((ids[None, :] == ids[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
+        for j in tl.static_range(c):
+            q = sub * sub_pairs + j * CHUNK + i
+            prior = tl.load(IDS + q, mask=(j * CHUNK + i < sub_pairs) & (q < numel), other=-1).to(tl.int32)
+            earlier += tl.sum((prior[None, :] == ids[:, None]).to(tl.int32), 1)
+        row = tl.load(PAD + ids, mask=ok, other=0) + tl.load(COUNTS + sub * E_PAD + ids, mask=ok, other=0)
+        tl.store(SORTED + row + earlier, p, mask=ok)
+    e = tl.arange(0, E_PAD)
+    pad_end = tl.load(PAD + E_PAD + e)
+    t = tl.arange(0, TILE)
+    m = tl.arange(0, BLOCK_M)
+    for b0 in range(sub * blocks_per, (sub + 1) * blocks_per, TILE):
+        b = b0 + t  # the expert of block b: how many experts' padded groups end at or before its first row
+        mine = (b < num_blocks) & (b < (sub + 1) * blocks_per)
         owner = tl.sum(((pad_end[None, :] <= (b * BLOCK_M)[:, None]) & (e < E)[None, :]).to(tl.int32), 1)
-        tl.store(BLOCK_EXPERT + b, tl.where(owner < E, owner, -1), mask=b < num_blocks)
-    tl.debug_barrier()  # the padding fill above lands before the scatter below overwrites it
-    seen = tl.zeros([E_PAD], tl.int32)
-    for p0 in range(0, numel, CHUNK):
-        p = p0 + c
-        ok = p < numel
-        ids = tl.load(IDS + p, mask=ok, other=E_PAD)
-        match = ids[None, :] == e[:, None]  # [E_PAD, CHUNK]
-        earlier = tl.sum(((ids[:, None] == ids[None, :]) & (c[None, :] < c[:, None])).to(tl.int32), 1)
-        row = tl.sum(tl.where(match, (pad_start + seen)[:, None], 0), 0) + earlier
-        tl.store(SORTED + row, p, mask=ok)
-        seen += tl.sum(match.to(tl.int32), 1)
+        tl.store(BLOCK_EXPERT + b, tl.where(owner < E, owner, -1), mask=mine)
+        taken = tl.load(PAD + owner, mask=mine & (owner < E), other=0) + tl.load(PAD + 2 * E_PAD + owner,
+                                                                                mask=mine & (owner < E), other=0)
+        r = b[:, None] * BLOCK_M + m[None, :]  # rows from the group's start plus its pairs on are padding
+        tl.store(SORTED + r, tl.zeros([TILE, BLOCK_M], tl.int32) + numel, mask=mine[:, None] & (r >= taken[:, None]))
 
 
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
-ALIGN_ONE_PROGRAM_MAX = 16384  # pairs; above, the multi-launch torch alignment is faster
 
 
-def route_triton(router_logits, top_k: int, renormalize: bool, shared_experts: int = 0):
-    """(weights float32, expert ids int32), [tokens, top_k + shared_experts], in one launch."""
+def route_triton(router_logits, top_k: int, renormalize: bool, shared_experts: int = 0, counts=None):
+    """(weights float32, expert ids int32), [tokens, top_k + shared_experts], in one launch; with ``counts``
+    (int32 [ceil(tokens / ROUTE_TOKENS), :func:`alignment_bins`]), each program's expert histogram too."""
     tokens, total = router_logits.shape
     routed, k = total - shared_experts, top_k + shared_experts
     weights = torch.empty(tokens, k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, k, dtype=torch.int32, device=router_logits.device)
     if tokens:
-        block_t = 16
-        _route_kernel[(triton.cdiv(tokens, block_t),)](
-            router_logits, weights, ids, tokens, router_logits.stride(0), ROUTED=routed,
-            E_PAD=triton_env.pow2(routed), TOP_K=top_k, SHARED=shared_experts, K_PAD=triton_env.pow2(k),
-            RENORMALIZE=renormalize, BLOCK_T=block_t, num_warps=4)
+        _route_kernel[(triton.cdiv(tokens, ROUTE_TOKENS),)](
+            router_logits, weights, ids, counts if counts is not None else ids, tokens, router_logits.stride(0),
+            ROUTED=routed, E_PAD=triton_env.pow2(routed), TOP_K=top_k, SHARED=shared_experts,
+            K_PAD=triton_env.pow2(k), RENORMALIZE=renormalize, BLOCK_T=ROUTE_TOKENS,
+            BINS=counts.shape[1] if counts is not None else 0, num_warps=4)
     return weights, ids
 
 
-def align_triton(ids, num_experts: int, block_m: int, used_blocks: int | None = None):
-    """``routing.align_block_size`` (same outputs, same upper-bound sizes) in one launch.
-    ``used_blocks`` (a bound of the blocks in use, :func:`used_blocks`) leaves the rows past them
-    unwritten: nothing reads them, and at decode sizes they are most of the buffer."""
+ROUTE_TOKENS = 16  # tokens a routing program routes (and, in the MoE, whose pairs it counts)
+
+
+def align_triton(ids, num_experts: int, block_m: int, used_blocks: int | None = None, counts=None):
+    """``routing.align_block_size`` (same outputs, same upper-bound sizes) in three launches: expert histograms
+    of ALIGN_SUB pairs each, one program's prefix sums over them (16 histograms a step: the one program that
+    walked every pair took 0.71 ms at 16,384 pairs on the H200), then each program's pairs scattered and its
+    share of the blocks labelled and padded. ``counts``: the histograms :func:`route_triton` took of ``ids``
+    [tokens, k], ROUTE_TOKENS tokens a row (the first launch saved). ``used_blocks`` (a bound of the blocks in
+    use, :func:`used_blocks`) leaves the rows past them unwritten: nothing reads them, and at decode sizes
+    they are most of the buffer."""
     numel = ids.numel()
     cap = numel + num_experts * (block_m - 1)
     cap = (cap + block_m - 1) // block_m * block_m
     sorted_pairs = torch.empty(cap, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=ids.device)
     blocks = cap // block_m if used_blocks is None else min(used_blocks, cap // block_m)
-    _align_kernel[(1,)](ids, sorted_pairs, block_expert, numel, blocks * block_m, blocks, E=num_experts,
-                        E_PAD=triton_env.pow2(num_experts), BLOCK_M=block_m, CHUNK=32, num_warps=8)
+    flat = ids.reshape(-1)
+    if counts is None:
+        bins = alignment_bins(num_experts)
+        counts = torch.empty(max(1, triton.cdiv(numel, ALIGN_SUB)), bins, dtype=torch.int32, device=ids.device)
+        sub_pairs = ALIGN_SUB
+        _align_count_kernel[(counts.shape[0],)](flat, counts, numel, E=num_experts, E_PAD=bins, SUB=ALIGN_SUB,
+                                                num_warps=4)
+    else:
+        sub_pairs = ROUTE_TOKENS * ids.shape[1]
+    subs, bins = counts.shape
+    pad = torch.empty(3, bins, dtype=torch.int32, device=ids.device)
+    _align_scan_kernel[(1,)](counts, pad, subs, E=num_experts, E_PAD=bins, BLOCK_M=block_m, TILE=16, num_warps=8)
+    _align_scatter_kernel[(subs,)](flat, counts, pad, sorted_pairs, block_expert, numel, sub_pairs, blocks,
+                                   triton.cdiv(blocks, subs), E=num_experts, E_PAD=bins, BLOCK_M=block_m,
+                                   SUB_PAD=triton_env.pow2(sub_pairs), CHUNK=min(64, triton_env.pow2(sub_pairs)),
+                                   TILE=16, num_warps=4)
     return sorted_pairs, block_expert
+
+
+def route_and_align(router_logits, top_k: int, renormalize: bool, shared_experts: int, block_m: int):
+    """The MoE's first three launches: (routing weights, aligned pairs, block experts, blocks that can be in use,
+    which bound the GEMMs' grids); the routing kernel counts the pairs the alignment starts from."""
+    tokens, num_experts = router_logits.shape
+    counts = torch.empty(triton.cdiv(tokens, ROUTE_TOKENS), alignment_bins(num_experts), dtype=torch.int32,
+                         device=router_logits.device)
+    weights, ids = route_triton(router_logits, top_k, renormalize, shared_experts, counts)
+    bound = used_blocks(ids.numel(), num_experts, block_m)
+    pairs, block_expert = align_triton(ids, num_experts, block_m, bound, counts)
+    return weights, pairs, block_expert, min(block_expert.numel(), bound)
+
+
+def alignment_bins(num_experts: int) -> int:
+    """Histogram bins: the experts and one past them (lanes that are no pair), a power of two."""
+    return triton_env.pow2(num_experts + 1)
 
 
 def used_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -286,19 +366,16 @@ def moe_triton(hidden_states, router_logits, w13, w2, top_k, renormalize=True, s
     """``config`` overrides the launch configuration (see :func:`launch_config`); tiles that would
     need more shared memory than the device has are narrowed (:func:`fitting`)."""
     tokens, hidden, num_experts, inter = check_moe(hidden_states, router_logits, w13, w2, top_k, shared_experts)
-    weights, ids = route_triton(router_logits, top_k, renormalize, shared_experts)
+    if not tokens:
+        return hidden_states.new_zeros(0, hidden)
     k = top_k + shared_experts
     num_pairs = tokens * k
     cfg = launch_config(tokens, k, num_experts, hidden, inter, hidden_states.dtype, hidden_states.device, config)
     block_m = cfg["BLOCK_M"]
     x = hidden_states.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    bound = used_blocks(num_pairs, num_experts, block_m)
-    if num_pairs <= ALIGN_ONE_PROGRAM_MAX:
-        pairs, block_expert = align_triton(ids, num_experts, block_m, bound)
-    else:
-        pairs, block_expert = align_block_size(ids.long(), num_experts, block_m)
-    blocks = min(block_expert.numel(), bound)  # the GEMMs' grids: only blocks that can be in use
+    weights, pairs, block_expert, blocks = route_and_align(router_logits, top_k, renormalize, shared_experts,
+                                                           block_m)
     elt, limit = x.element_size(), triton_env.max_shared_mem(x.device)
     common = dict(BLOCK_M=block_m, TOP_K=k, PRECISION=triton_env.dot_precision(hidden_states.dtype))
     act = x.new_empty(num_pairs, inter)

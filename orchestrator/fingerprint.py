@@ -58,6 +58,31 @@ def _gpu() -> dict[str, Any]:
             "cuda": cuda.group(1) if cuda else None}
 
 
+GPU_NOW = {"sm_mhz": "clocks.sm", "memory_mhz": "clocks.mem", "temperature_c": "temperature.gpu",
+           "power_w": "power.draw", "clock_events": "clocks_event_reasons.active"}
+
+
+def gpu_now() -> list[dict[str, float | str | None]] | None:
+    """Each GPU's clocks, temperature, power and active clock-event (throttle) reasons, read now: a speed that
+    drifts within a run is told from the machine's by these (None without nvidia-smi)."""
+    listing = _nvidia_smi(f"--query-gpu={','.join(GPU_NOW.values())}", "--format=csv,noheader,nounits")
+    if not listing:
+        return None
+    gpus = []
+    for line in listing.splitlines():
+        if not line.strip():
+            continue
+        values = [part.strip() for part in line.split(",")]
+        row: dict[str, float | str | None] = {}
+        for key, value in zip(GPU_NOW, values):
+            try:
+                row[key] = value if key == "clock_events" else float(value)
+            except ValueError:  # "[N/A]", "[Not Supported]"
+                row[key] = None
+        gpus.append(row)
+    return gpus
+
+
 def _governor() -> str | None:
     try:
         return GOVERNOR.read_text().strip() or None

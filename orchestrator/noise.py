@@ -36,7 +36,7 @@ class Noise:
     pair_seconds: float | None = None  # mean time of a pair of samples
     calibration: int | None = None  # its id in the history
     wake: float | None = None  # RMS change of log(objective) a sleep and a wake make to one server (sleeping pairing)
-    wake_p: float | None = None  # the chance of a `wake` this large were a wake to change nothing (an F test)
+    wake_p: float | None = None  # the chance of a `wake` this large were a wake to change nothing (a rank test)
     still: float | None = None  # sd of log(objective) from one sample to the next of a server with no sleep between
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,12 +137,16 @@ WAKE_ALPHA = 0.05  # a wake's effect counts as shown below this p
 def wake_spread(samples: Sequence[tuple[object, int, float, float]]
                 ) -> tuple[float, float, float, int, int] | None:
     """(wake, p, still, same, woken) from samples (server, segment, time, value): `segment` counts the server's
-    wakes before the sample. Consecutive samples of one server within a segment differ by sample noise alone (mean
-    square 2 still²); across a wake also by whatever the wake changed (mean square 2 still² + wake²). So wake² is
-    the difference of the two mean squares of log ratios (0 when negative), and their ratio is F-distributed
-    (`woken`, `same` degrees of freedom) where a wake changes nothing: `p` is its upper tail. None with fewer
-    than two differences of either kind."""
-    from scipy.stats import f as f_dist
+    wakes before the sample. Consecutive samples of one server within a segment differ by sample noise alone
+    (squared log ratio 2 still^2 in the mean); across a wake also by whatever the wake changed (2 still^2 + wake^2).
+
+    wake^2 is the difference of the two mean squares (0 when negative). Whether a wake moved anything is told by
+    ranks, not by their ratio: a wake that moves a server's level moves every difference across a wake, while one
+    slow sample (a hiccup of the machine) moves the one or two differences it falls in. `p` is the one-sided
+    Mann-Whitney p that the squared differences across a wake are the larger. By an F test of the mean squares,
+    one slow sample among a calibration's sixteen, falling across a wake, showed a "wake" on a server whose wakes
+    changed nothing. None with fewer than two differences of either kind."""
+    from scipy.stats import mannwhitneyu
 
     by_server: dict[object, list[tuple[float, int, float]]] = {}
     for server, segment, at, value in samples:
@@ -156,8 +160,8 @@ def wake_spread(samples: Sequence[tuple[object, int, float, float]]
             (same if s0 == s1 else woken).append(math.log(v1 / v0) ** 2)
     if len(same) < 2 or len(woken) < 2:
         return None
+    p = float(mannwhitneyu(woken, same, alternative="greater").pvalue)
     ms_same, ms_woken = float(np.mean(same)), float(np.mean(woken))
-    p = float(f_dist.sf(ms_woken / ms_same, len(woken), len(same))) if ms_same > 0 else (0.0 if ms_woken else 1.0)
     return math.sqrt(max(0.0, ms_woken - ms_same)), p, math.sqrt(ms_same / 2), len(same), len(woken)
 
 

@@ -174,14 +174,24 @@ def judge(reference: dict, model: str, outputs: list[dict], mode: str, args: arg
     return cmp
 
 
+def _popen(command: str) -> subprocess.Popen:
+    return subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.communicate()
+
+
 def start_checks(command: str | None) -> subprocess.Popen | None:
-    """The target's kernel check (``--check-command``), started; None when no command is given."""
+    """The target's kernel check (``--check-command``), started; None when no command is given or it cannot start
+    (``kernel_checks`` then tries again and says why)."""
     if not command:
         return None
     try:
-        return subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return _popen(command)
     except OSError:
-        return None  # kernel_checks tries again and says why
+        return None
 
 
 def kernel_checks(command: str | None, started: subprocess.Popen | None = None) -> list[dict]:
@@ -190,14 +200,14 @@ def kernel_checks(command: str | None, started: subprocess.Popen | None = None) 
     if not command:
         return []
     try:
-        proc = started or start_checks(command)
-        out, err = proc.communicate(timeout=CHECK_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return [{"passed": False, "error": f"the kernel check timed out after {CHECK_TIMEOUT} s"}]
+        proc = started or _popen(command)
     except OSError as exc:
         return [{"passed": False, "error": f"cannot run the kernel check {command!r}: {exc}"}]
+    try:
+        out, err = proc.communicate(timeout=CHECK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        return [{"passed": False, "error": f"the kernel check timed out after {CHECK_TIMEOUT} s"}]
     lines = [line for line in out.splitlines() if line.strip()]
     try:
         result = json.loads(lines[-1])
@@ -236,7 +246,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--token-id-range", type=int, nargs=2, default=list(TOKEN_RANGE), metavar=("LOW", "HIGH"))
     p.add_argument("--check-command", help="a command checking the kernels the server runs (its last stdout line: "
                    "JSON with `passed` and `checked`), run beside the completions of --base-url, after "
-                        "those of a server of the probe's own")
+                   "those of a server of the probe's own")
     args = p.parse_args(argv)
     if min(args.lengths) < 1 or args.max_tokens < 1:
         p.error("--lengths and --max-tokens must be at least 1")
@@ -294,8 +304,7 @@ def run(args: argparse.Namespace) -> dict:
         model, passes, facts = serve_and_generate(args, prompts, 2 if reference is None else 1)
     except BaseException:
         if started is not None:
-            started.kill()
-            started.communicate()
+            _stop(started)
         raise
     outputs = passes[0]
     checks = kernel_checks(args.check_command, started)

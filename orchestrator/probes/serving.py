@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from orchestrator.fingerprint import gpu_now
 from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, engine_server_argv,
                                              group_cpu_seconds, on_sigterm, server_label, wait_healthy)
 from orchestrator.probes.workload import Workload
@@ -37,6 +39,10 @@ DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input 
 WINDOW_STRIDE = 7919  # seed offset of each further measured window
 WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
 FILL_NOTICE = 5.0  # seconds of fill after which the probe says on stderr how far it got
+# A queue of prompts that has not drained over this many seconds, and this many of the server's steps, marks a
+# server that admits a prompt only as another request ends: a steady state already (wait_for_fill).
+FILL_HOLD = 1.0
+FILL_HOLD_STEPS = 4
 # Seed offset of each pair (--pair, $ORCHESTRATOR_PAIR): larger than every offset within one probe, so no
 # two pairs share a prompt. Both samples of a pair send the same prompts; a server reused for the next
 # pair's sample (the staging loop's A B, B A order) finds none of them in its prefix cache.
@@ -162,12 +168,14 @@ async def drive(base_url: str, model: str, workload: Workload, request_timeout: 
 
 async def drive_steady(base_url: str, model: str, workload: Workload, request_timeout: float,
                        cpu_clock: Callable[[], float | None] = lambda: None, start_at: float | None = None,
-                       counters: dict | None = None) -> tuple[list[Outcome], float, float, float, float | None]:
+                       counters: dict | None = None
+                       ) -> tuple[list[Outcome], float, float, float, float | None, int, str, list | None]:
     """Keeps ``max_concurrency`` requests of the workload's stream in flight, from the wall-clock instant
     ``start_at`` if given (after one test request): first the fill (``Workload.fill``), then ``ramp`` seconds,
     then the measured ``duration``, after which those still running are cancelled (the server aborts them).
     Returns every request sent, when the fill began and the window's bounds (perf_counter), the CPU seconds
-    ``cpu_clock`` advanced over the window, and how many of the first wave were prefilled when the fill ended."""
+    ``cpu_clock`` advanced over the window, how many of the first wave were prefilled when the fill ended, how it
+    ended (``wait_for_fill``), and the GPUs' clocks at the window's end (``gpu_now``)."""
     url = f"{base_url}/v1/completions"
     stream = workload.stream()
     limit = workload.concurrency
@@ -194,17 +202,7 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
 
         tasks = [asyncio.create_task(keep_busy(out, n)) for out, n in zip(wave, workload.fill())]
         try:
-            said = begin
-            # A server that runs fewer sequences than the wave holds keeps the rest queued: it is saturated, and
-            # the fill's interleaved lengths already spread the ones it runs, so the fill ends after half a window
-            # at the latest (one that admits the whole wave prefills it within that: 128 x 1,000 tokens in 1-5 s
-            # on an H200).
-            while not all(prefilled(o) for o in wave) and time.perf_counter() - begin < workload.fill_limit:
-                if time.perf_counter() - said > FILL_NOTICE:  # a slow fill says how far it got
-                    said = time.perf_counter()
-                    print(f"fill: {sum(map(prefilled, wave))} of {limit} prompts prefilled after {said - begin:.0f} s",
-                          file=sys.stderr, flush=True)
-                await asyncio.sleep(0.02)
+            fill_ended = await wait_for_fill(wave, outcomes, workload.fill_limit)
             filled = sum(map(prefilled, wave))
             window_start = time.perf_counter() + workload.ramp
             window_end = window_start + workload.duration
@@ -214,6 +212,7 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
             await asyncio.sleep(max(0.0, window_end - time.perf_counter()))
             cpu_end = cpu_clock()
             after = await server_tokens(base_url) if before is not None else None
+            gpus = await asyncio.to_thread(gpu_now)
             if before is not None and after is not None:
                 counters.update({k: after[k] - before[k] for k in after if k in before})
         finally:
@@ -221,12 +220,54 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
-        return outcomes, begin, window_start, window_end, cpu, filled
+        return outcomes, begin, window_start, window_end, cpu, filled, fill_ended, gpus
 
 
 def prefilled(o: Outcome) -> bool:
     """Past its prefill: it streamed a token, finished or failed."""
     return o.first_at is not None or bool(o.latency) or bool(o.error)
+
+
+def step_seconds(outcomes: list[Outcome]) -> float | None:
+    """The server's step as the client sees it: the median gap between the latest streamed tokens."""
+    gaps = [g for o in outcomes[-256:] for g in o.itl[-4:]]
+    return float(np.median(gaps)) if gaps else None
+
+
+async def wait_for_fill(wave: list[Outcome], outcomes: list[Outcome], limit: float) -> str:
+    """Waits until the first wave is past its prefill (``prefilled``) and says how the fill ended.
+
+    A window that began earlier would find the rest of the wave's prompts queued, and measure their prefill burst
+    instead of the steady state's mix (on an H200 a fill cut at 5 s left 30-80 of 128 prompts to the window, and
+    its score rose by what it lacked in decoding). A server that runs fewer sequences than the wave holds admits
+    a prompt only as another request ends: the prompts waiting for a first token then stop draining, and the fill
+    ends once they have not drained over ``FILL_HOLD`` seconds and ``FILL_HOLD_STEPS`` steps (``saturated``; the
+    fill's interleaved lengths have spread the ones it runs). ``limit`` seconds bound it (``limit``)."""
+    begin = said = time.perf_counter()
+    seen: deque[tuple[float, int]] = deque()  # (when, prompts waiting for their first token)
+    first = {id(o) for o in wave}  # the wave's requests count from the start, sent or about to be
+    while not all(prefilled(o) for o in wave):
+        now = time.perf_counter()
+        if now - begin >= limit:
+            print(f"fill: stopped at its limit of {limit:.0f} s with {sum(map(prefilled, wave))} of {len(wave)} "
+                  "prompts prefilled: the window begins with a queue", file=sys.stderr, flush=True)
+            return "limit"
+        waiting = (sum(not prefilled(o) for o in wave)
+                   + sum(not prefilled(o) for o in outcomes if id(o) not in first))
+        seen.append((now, waiting))
+        step = step_seconds(outcomes)
+        if step is not None:
+            hold = max(FILL_HOLD, FILL_HOLD_STEPS * step)
+            while len(seen) > 1 and seen[1][0] <= now - hold:
+                seen.popleft()
+            if seen[0][0] <= now - hold and waiting >= seen[0][1]:
+                return "saturated"
+        if now - said > FILL_NOTICE:  # a slow fill says how far it got
+            said = now
+            print(f"fill: {sum(map(prefilled, wave))} of {len(wave)} prompts prefilled after {now - begin:.0f} s",
+                  file=sys.stderr, flush=True)
+        await asyncio.sleep(0.02)
+    return "prefilled"
 
 
 def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple[dict, float, str]:
@@ -532,14 +573,17 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
     client_cpu = time.process_time()
     if workload.steady:
         counters: dict[str, float] = {}
-        outcomes, begin, start, end, cpu, filled = await drive_steady(base_url, model, workload, args.request_timeout,
-                                                                      cpu_clock, start_at, counters)
+        outcomes, begin, start, end, cpu, filled, fill_ended, gpus = await drive_steady(
+            base_url, model, workload, args.request_timeout, cpu_clock, start_at, counters)
         if start_at is not None:  # the fill's length is the state's own: it is part of the lag
             lag = time.time() - (end - start) - workload.ramp - start_at
         result, cached, source = summarize_window(outcomes, start, end)
         result["ramp"] = workload.ramp
         result["fill_seconds"] = start - workload.ramp - begin
         result["fill_prefilled"] = filled  # of the first wave's max_concurrency prompts, when the ramp began
+        result["fill_ended"] = fill_ended
+        if gpus is not None:  # clocks, temperature, power: a drift within a run is told from the machine's
+            result["gpus"] = gpus
         result["tokens_source"] = "client"
         if counters:  # the server's own counts: prompt tokens as their chunks ran, not at their first output
             duration = result["duration"]

@@ -12,8 +12,9 @@ request lived 70 s, prompt tokens were four fifths of a 10 s window's score). So
 are spread evenly over 1..`output_len` (`fill`): once its prompts are prefilled, its requests end one after
 the other at the rate a steady state ends them, and each is replaced by a full request of the stream, whose
 prompt then runs beside the others' decoding as it would in a steady state. The window begins `ramp` seconds
-after the last prompt of the first wave has its first token, or after `fill_limit` on a server that queues part of
-the wave.
+after the last prompt of the first wave has its first token; on a server that queues part of the wave, once that
+queue has stopped draining (it admits a prompt only as a request ends: saturated already); after `fill_limit` at
+the latest.
 """
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ class Workload(BaseModel):
 
     @property
     def fill_limit(self) -> float:
-        """Steady state: the longest the fill waits for the first wave's prompts to be prefilled. A server that
-        has not prefilled them by then queues part of the wave, and is saturated already."""
-        return self.duration / 2
+        """Steady state: the longest the fill waits for the first wave to be prefilled (the probe ends it sooner
+        on a server that queues part of the wave). An engine whose steps take a second prefills 128 prompts of
+        1,000 tokens in 10-20 s."""
+        return max(30.0, 3 * self.duration)
 
     def delays(self) -> list[float]:
         """Send times relative to the start: Poisson arrivals at ``request_rate``, as vLLM's."""

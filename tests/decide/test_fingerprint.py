@@ -98,3 +98,19 @@ def test_no_recorded_fingerprint_is_stale():
 def test_against_the_current_environment_by_default(fresh):
     assert not fp.is_stale(fp.fingerprint())
     assert fp.is_stale({**fp.fingerprint(), "torch": "0.0.1"})
+
+
+def test_the_gpus_clocks_now_are_read_field_by_field(tmp_path, monkeypatch):
+    fake_smi(tmp_path, monkeypatch, """#!/bin/sh
+case "$1" in --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active)
+  echo "1980, 3201, 61, 512.34, 0x0000000000000000"
+  echo "1755, 3201, 83, [N/A], 0x0000000000000040";;
+esac
+""")
+    assert fp.gpu_now() == [
+        {"sm_mhz": 1980.0, "memory_mhz": 3201.0, "temperature_c": 61.0, "power_w": 512.34,
+         "clock_events": "0x0000000000000000"},
+        {"sm_mhz": 1755.0, "memory_mhz": 3201.0, "temperature_c": 83.0, "power_w": None,
+         "clock_events": "0x0000000000000040"}]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert fp.gpu_now() is None

@@ -53,3 +53,58 @@ def test_a_wake_that_moves_a_server_like_a_start_is_not():
 def test_too_few_samples_tell_nothing_and_are_trusted():
     assert wake_spread(samples(0.05, 0, servers=1, segments=2, per_segment=2)) is None  # one difference of each kind
     assert wakes_like_fresh(Noise(WITHIN, BETWEEN, 3))
+
+
+def sleeping_calibration(seed: int, slow: int | None, blocks: int = 4, within: float = 0.002):
+    """The samples and pair log ratios of a sleeping calibration whose wakes change nothing: one kept server and a
+    fresh candidate (level uniform in ±10%) per block, two pairs a block in the order C B, B C, each arm woken
+    when its turn comes; sample number `slow` (in time order) is 11% slow, as one hiccup of a busy machine."""
+    rng = np.random.default_rng(seed)
+    out, logs, t = [], [], 0
+    kept_segment = -1
+    for block in range(blocks):
+        cand = 100 + block
+        level = math.log(1 + rng.uniform(-0.1, 0.1))
+        kept_segment += 1
+        values = {}
+        for server, segment, lvl, arm in ((cand, 0, level, "C1"), (0, kept_segment, 0.0, "B1"),
+                                          (0, kept_segment, 0.0, "B2"), (cand, 1, level, "C2")):
+            value = 1000 * math.exp(lvl + rng.normal(0, within) + (math.log(0.89) if t == slow else 0.0))
+            out.append((server, segment, float(t), value))
+            values[arm] = value
+            t += 1
+        logs.append([math.log(values["C1"] / values["B1"]), math.log(values["C2"] / values["B2"])])
+    return out, logs
+
+
+def test_one_slow_sample_is_not_a_wake():
+    """Wherever one slow sample falls, woken servers are trusted: the rank test does not take one difference for
+    a wake, though the mean squares alone would show a wake larger than both the bars (the CI failure this
+    guards against: a sleeping run turned to restarts by one slow sample)."""
+    from orchestrator.noise import components
+
+    sized_like_a_wake = 0
+    for seed in range(5):
+        for slow in range(16):
+            samples_, logs = sleeping_calibration(seed, slow)
+            wake, p, still, same, woken = wake_spread(samples_)
+            assert (same, woken) == (4, 7)
+            within, between, df = components(logs, kept_restarted=False)
+            noise = Noise(within, between, df, wake=wake, wake_p=p, still=still)
+            assert wakes_like_fresh(noise), (seed, slow, noise)
+            sized_like_a_wake += wake > max(still, between / 2)
+    assert sized_like_a_wake >= 20  # the sizes alone would have restarted in many of these runs
+
+
+def test_a_wake_that_moves_every_server_is_seen_in_a_sleeping_calibration():
+    """The same calibration where every wake moves the woken server by a fresh start's draw: not trusted."""
+    seen = 0
+    for seed in range(20):
+        rng = np.random.default_rng(1000 + seed)
+        samples_, _ = sleeping_calibration(seed, None)
+        shift = {}  # each wake draws the server's level anew
+        moved = [(s, seg, t, v * shift.setdefault((s, seg), math.exp(rng.normal(0, 0.08)) if seg else 1.0))
+                 for s, seg, t, v in samples_]
+        wake, p, still, _, _ = wake_spread(moved)
+        seen += not wakes_like_fresh(Noise(0.002, 0.058, 3, wake=wake, wake_p=p, still=still))
+    assert seen >= 15, seen

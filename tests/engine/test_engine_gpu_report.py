@@ -108,7 +108,7 @@ def test_cpu_smoke_run_of_the_gdn_section_counts_kernels_per_layer_and_times_the
     assert {(row["op"], row["prefill"]) for row in gdn["ops"]} == {
         (op, prefill) for op in ("causal_conv1d", "gdn_gating", "rms_norm_gated") for prefill in (False, True)}
     assert all(row["torch_ms"] > 0 and row["triton_ms"] > 0 and row["floor_ms"] > 0 for row in gdn["ops"])
-    assert "gdn-fused triton | 14 kernels (token mixer 6)" in p.stdout
+    assert "gdn-fused triton | 15 kernels (token mixer 6)" in p.stdout
 
 
 # the kernel names the profile section sorts: this project's Triton kernels, then names cuBLAS, CUTLASS
@@ -121,7 +121,7 @@ KERNEL_NAMES = {
         "aten::_grouped_mm",
     ],
     gpu_report.ROUTING: [
-        "_route_kernel", "_align_kernel",
+        "_route_kernel", "_align_count_kernel", "_align_scan_kernel", "_align_scatter_kernel",
         "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(at::cuda::detail::TensorInfo<float const, "
         "unsigned int>, unsigned int, unsigned int, bool, unsigned int)",
         "void at::native::mbtopk::radixFindKthValues<float, unsigned int, unsigned int, 2>(...)",

@@ -162,7 +162,8 @@ def test_kernels_compiled_for_an_h200_fit_its_shared_memory(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     kernels_seen = {r["kernel"] for r in result["rows"]}
-    assert {"_grouped_gemm", "_split_kernel", "_prefill_kernel", "_chunk_scan_kernel",
+    assert {"_grouped_gemm", "_route_kernel", "_align_scan_kernel", "_align_scatter_kernel",
+            "_split_kernel", "_prefill_kernel", "_chunk_scan_kernel",
             "_chunk_prepare_kernel", "_conv_kernel", "_gating_kernel", "_norm_gated_kernel"} <= kernels_seen
     for row in result["rows"]:
         assert row["shared"] <= HOPPER_SHARED_MEM, row

@@ -149,10 +149,17 @@ def test_qk_norm_rope_leaves_channels_past_the_rotary_dim_normalised_only():
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,shared,block_m", [(1, 8, 2, 0, 16), (37, 12, 3, 1, 4), (70, 5, 1, 2, 8),
-                                                                 (200, 64, 8, 1, 16)])
-def test_one_launch_routing_and_alignment_match_the_torch_ones(tokens, experts, top_k, shared, block_m):
-    """Same experts, same weights, and the same rows as the stable sort (pair counts not multiples of the chunk)."""
+                                                                 (64, 16, 2, 0, 4), (200, 64, 8, 1, 16),
+                                                                 (300, 20, 8, 1, 16)])
+def test_triton_routing_and_alignment_match_the_torch_ones(tokens, experts, top_k, shared, block_m, monkeypatch):
+    """Same experts, same weights, and the same rows as the stable sort, into buffers poisoned first: one
+    program's pairs (2), exactly one (128), several (1,800), more than the scan takes in a step (2,700, 22
+    programs, experts of ~200 pairs spanning programs); from the alignment's own counts and from those the
+    routing kernel took."""
+    from kernels import moe_triton
     from kernels.moe_triton import align_triton, route_triton
+    empty = torch.empty
+    monkeypatch.setattr(moe_triton.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
     args = inputs.moe(tokens, hidden=16, experts=experts, intermediate=8, top_k=top_k, shared_experts=shared,
                       unused_experts=experts // 4, seed=tokens)
     for renormalize in (True, False):
@@ -170,6 +177,12 @@ def test_one_launch_routing_and_alignment_match_the_torch_ones(tokens, experts, 
     pairs_b, block_expert_b = align_triton(ids, experts + shared, block_m, n)
     n = min(n, block_expert0.numel())
     assert torch.equal(pairs_b[:n * block_m], pairs0[:n * block_m]) and torch.equal(block_expert_b[:n],
+                                                                                      block_expert0[:n])
+    # the MoE's way: the routing kernel counts its 16 tokens' pairs, and the alignment starts from those counts
+    _, pairs_c, block_expert_c, blocks = moe_triton.route_and_align(args["router_logits"], top_k, True, shared,
+                                                                     block_m)
+    assert blocks == n
+    assert torch.equal(pairs_c[:n * block_m], pairs0[:n * block_m]) and torch.equal(block_expert_c[:n],
                                                                                       block_expert0[:n])
 
 

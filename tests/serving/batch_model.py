@@ -117,7 +117,7 @@ def serve(costs: Costs, port: int) -> None:
             for s in batch:
                 if s.generated:
                     s.tokens.put_nowait(s.generated)
-                if s.done:
+                if s.done and s in running:  # (one aborted while the step ran is gone already)
                     running.remove(s)
 
     @app.on_event("startup")

@@ -260,3 +260,16 @@ def test_a_running_servers_kernels_are_checked_while_it_answers_the_prompts(serv
     asked = 2 * len(lengths)  # the reference is recorded from two passes
     assert finished() - before == asked
     assert checked["finished"] - before < asked / 2, checked
+
+
+def test_a_kernel_check_that_cannot_start_fails_the_probe_saying_why(server, tmp_path):
+    """Against --base-url the check starts before the completions; one that cannot start is still a failed check
+    named in the result, not a crash of the probe."""
+    proc = subprocess.run([PY, "-m", "orchestrator.probes.greedy", "--reference", str(tmp_path / "ref.json"),
+                           "--base-url", server, "--lengths", "3", "--max-tokens", "4",
+                           "--check-command", str(tmp_path / "no-such-check")],
+                          capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    out = last_json(proc.stdout)
+    assert proc.returncode == 1 and not out["passed"], proc.stderr
+    [check] = out["kernel_checks"]
+    assert not check["passed"] and "cannot run the kernel check" in check["error"] and "no-such-check" in check["error"]

@@ -316,3 +316,46 @@ def test_a_queued_request_whose_client_went_away_leaves_the_queue_at_once(tmp_pa
     finally:
         server.stop()
     assert (waiting, running, long_done) == (0, 1, False)
+
+
+def test_a_paused_server_keeps_its_requests_where_they_are_and_goes_on_after_resume(server, llm):
+    """`/pause?mode=keep` (vLLM's development endpoint): no step runs until `/resume`, a request under way keeps
+    its stream and its place, one sent meanwhile queues, and both answer what they would have unpaused."""
+    prompt, other = [9, 81, 14, 3, 77, 2], [5, 6, 7]
+    expected, expected_other = llm.generate([prompt], 60)[0], llm.generate([other], 4)[0]
+
+    def generated() -> float:
+        return metrics(server)["vllm:generation_tokens_total"]
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            start = generated()
+            running = asyncio.create_task(stream(client, server, prompt=prompt, max_tokens=60, return_token_ids=True))
+            while generated() - start < 5:
+                await asyncio.sleep(0.01)
+            assert (await client.post(f"{server}/pause", params={"mode": "keep"})).status_code == 200
+            assert (await client.get(f"{server}/is_paused")).json() == {"is_paused": True}
+            frozen = generated()
+            queued = asyncio.create_task(stream(client, server, prompt=other, max_tokens=4, return_token_ids=True))
+            await asyncio.sleep(1.0)
+            seen = generated() - frozen, frozen - start, running.done(), queued.done()
+            assert (await client.post(f"{server}/resume")).status_code == 200
+            assert (await client.get(f"{server}/is_paused")).json() == {"is_paused": False}
+            return seen, await running, await queued
+
+    (moved, before, running_done, queued_done), events, queued_events = asyncio.run(go())
+    assert (moved, running_done, queued_done) == (0, False, False)
+    assert 5 <= before < 60
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == expected
+    assert [t for e in queued_events[:-1] for t in e["choices"][0]["token_ids"]] == expected_other
+
+
+def test_pause_modes_that_end_requests_are_refused_and_nothing_pauses(server, llm):
+    for mode in ("abort", "wait"):
+        resp = httpx.post(f"{server}/pause", params={"mode": mode})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "mode", resp.text
+        assert mode in resp.json()["error"]["message"]
+    assert httpx.post(f"{server}/pause").status_code == 400  # vLLM's default mode is abort
+    assert httpx.get(f"{server}/is_paused").json() == {"is_paused": False}
+    body = complete(server, prompt=[1, 2, 3], max_tokens=3, return_token_ids=True).json()
+    assert body["choices"][0]["token_ids"] == llm.generate([[1, 2, 3]], 3)[0]

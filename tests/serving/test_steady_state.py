@@ -3,6 +3,7 @@ counters where it has them; the workload type the targets and the probe share; t
 it runs."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,15 @@ STEADY = ["--duration", "2", "--ramp", "0.5", "--max-concurrency", "4", "--input
           "--shared-prefix-fraction", "0"]
 
 
-def test_a_steady_window_lasts_its_duration_and_counts_what_the_server_computed(server):
-    rc, out, err = run_probe("--base-url", server, *STEADY)
+def test_a_steady_window_lasts_its_duration_and_counts_what_the_server_computed(server, tmp_path):
+    smi = tmp_path / "nvidia-smi"  # the machine's GPU as nvidia-smi reports it, read at the window's end
+    smi.write_text('#!/bin/sh\necho "1980, 3201, 61, 512.34, 0x0000000000000000"\n')
+    smi.chmod(0o755)
+    rc, out, err = run_probe("--base-url", server, *STEADY, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert rc == 0, err
+    assert out["gpus"] == [{"sm_mhz": 1980.0, "memory_mhz": 3201.0, "temperature_c": 61.0, "power_w": 512.34,
+                            "clock_events": "0x0000000000000000"}]
+    assert out["fill_ended"] == "prefilled" and out["fill_prefilled"] == 4
     assert out["steady_state"] is True and out["duration"] == pytest.approx(2.0, abs=0.05)
     assert out["tokens_source"] == "server"
     # the server counts prompt tokens chunk by chunk, the client at each request's first token: close, not equal
@@ -65,25 +72,33 @@ def test_one_workload_type_round_trips_through_the_probes_arguments():
     assert [next(a) for _ in range(5)] == [next(b) for _ in range(5)]
 
 
+def measure_stand_in(costs) -> dict:
+    """One steady-state sample (16 in flight, 500 in / 200 out, a 2 s window) of the batch stand-in whose step
+    costs are ``costs``; the probe must succeed."""
+    from orchestrator.probes.live_server import LiveServer
+
+    options = [arg for name, value in vars(costs).items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+    server = LiveServer([sys.executable, str(Path(__file__).with_name("batch_model.py")), "--port", "{port}", *options])
+    try:
+        server.start().wait_healthy(60)
+        rc, out, err = run_probe("--base-url", server.url, "--duration", "2", "--ramp", "0.3", "--max-concurrency",
+                                 "16", "--input-len", "500", "--output-len", "200", "--shared-prefix-fraction", "0",
+                                 "--request-timeout", "60")
+    finally:
+        server.stop()
+    assert rc == 0, err
+    return out
+
+
 def test_a_window_from_an_idle_server_measures_the_steady_state_of_a_server_whose_requests_outlive_it(tmp_path):
     """A request lives about 11 s here, five windows long: started all at once, the first wave would prefill
     together and then only decode, and a window would see one phase of that wave, not the mix a steady state
     has (a quarter below it with these costs; two and a half times above it with an H200's). The fill spreads
     the first wave's lengths, so the window finds the steady state's rates."""
     from batch_model import Costs, steady_rates
-    from orchestrator.probes.live_server import LiveServer
 
     costs = Costs(base=0.03, per_decode=0.0015, per_prefill=0.00006, budget=2048)
-    server = LiveServer([sys.executable, str(Path(__file__).with_name("batch_model.py")), "--port", "{port}",
-                         "--base", str(costs.base), "--per-decode", str(costs.per_decode),
-                         "--per-prefill", str(costs.per_prefill), "--budget", str(costs.budget)])
-    try:
-        server.start().wait_healthy(60)
-        rc, out, err = run_probe("--base-url", server.url, "--duration", "2", "--ramp", "0.3", "--max-concurrency",
-                                 "16", "--input-len", "500", "--output-len", "200", "--shared-prefix-fraction", "0")
-    finally:
-        server.stop()
-    assert rc == 0, err
+    out = measure_stand_in(costs)
     prompt_rate, generated_rate = steady_rates(costs, 16, 500, 200)
     truth = 16.796 * generated_rate + 2.799 * prompt_rate
     assert out["tokens_source"] == "server" and out["fill_seconds"] > 0.3  # 8,000 prompt tokens came first
@@ -95,28 +110,36 @@ def test_a_window_from_an_idle_server_measures_the_steady_state_of_a_server_whos
     assert out["server_steps"] * out["server_step_ms"] == pytest.approx(1e3 * out["server_step_busy"] * 2, rel=0.01)
 
 
-def test_a_server_that_runs_fewer_sequences_than_the_wave_is_measured_after_half_a_window_of_fill(tmp_path):
-    """Two slots and a wave of 16: the server would prefill the last of the wave only after seven request
-    lives, about 20 s, and one that runs one sequence (the seed's baseline) after minutes. It is saturated
-    from its first step, so the fill ends after half the window's length, and the interleaved lengths make the two
-    it runs first a short and a long one: the window still finds the steady state of two slots."""
+def test_a_window_waits_for_a_first_wave_that_takes_longer_than_half_a_window_to_prefill(tmp_path):
+    """Found on an H200: the engine's first wave of 128 prompts took 10-20 s to prefill, and a fill cut at half
+    a 10 s window left 30-80 of them for the window, whose score then rose with the backlog it found (prompt tokens
+    are cheaper than generated ones) and fell with the decoding it lacked. Here the wave needs about 2 s of
+    prefill-bound steps, twice the fill a half window allowed: the window begins when the wave is prefilled, and
+    finds the steady state's rates."""
     from batch_model import Costs, steady_rates
-    from orchestrator.probes.live_server import LiveServer
+
+    costs = Costs(base=0.03, per_decode=0.0015, per_prefill=0.0002, budget=600)
+    out = measure_stand_in(costs)
+    prompt_rate, generated_rate = steady_rates(costs, 16, 500, 200)
+    assert out["fill_prefilled"] == 16 and out["fill_ended"] == "prefilled" and out["fill_seconds"] > 1.5, out
+    assert out["output_throughput"] == pytest.approx(generated_rate, rel=0.12), (out["output_throughput"], generated_rate)
+    assert out["input_throughput"] == pytest.approx(prompt_rate, rel=0.3), (out["input_throughput"], prompt_rate)
+    truth = 16.796 * generated_rate + 2.799 * prompt_rate
+    assert out["score"] == pytest.approx(truth, rel=0.12), (out["score"], truth)
+
+
+def test_a_server_that_runs_fewer_sequences_than_the_wave_is_measured_once_its_queue_stops_draining(tmp_path):
+    """Two slots and a wave of 16: the server would prefill the last of the wave only after seven request
+    lives, about 20 s, and one that runs one sequence (the seed's baseline) after minutes. It admits a prompt only
+    as a request ends, so the prompts waiting for their first token stop draining, and the fill ends a second
+    later; the interleaved lengths make the two it runs first a short and a long one: the window still finds the
+    steady state of two slots."""
+    from batch_model import Costs, steady_rates
 
     costs = Costs(base=0.03, per_decode=0.0015, per_prefill=0.00006, budget=2048, max_seqs=2)
-    server = LiveServer([sys.executable, str(Path(__file__).with_name("batch_model.py")), "--port", "{port}",
-                         "--base", str(costs.base), "--per-decode", str(costs.per_decode),
-                         "--per-prefill", str(costs.per_prefill), "--budget", str(costs.budget),
-                         "--max-seqs", str(costs.max_seqs)])
-    try:
-        server.start().wait_healthy(60)
-        rc, out, err = run_probe("--base-url", server.url, "--duration", "2", "--ramp", "0.3", "--max-concurrency",
-                                 "16", "--input-len", "500", "--output-len", "200", "--shared-prefix-fraction", "0",
-                                 "--request-timeout", "60")
-    finally:
-        server.stop()
-    assert rc == 0, err
-    assert 2 <= out["fill_prefilled"] < 16 and out["fill_seconds"] == pytest.approx(1.0, abs=0.3)
+    out = measure_stand_in(costs)
+    assert 2 <= out["fill_prefilled"] < 16 and out["fill_ended"] == "saturated", out
+    assert out["fill_seconds"] == pytest.approx(1.0, abs=0.3)
     prompt_rate, generated_rate = steady_rates(costs, 2, 500, 200)
     assert out["output_throughput"] == pytest.approx(generated_rate, rel=0.12), (out["output_throughput"], generated_rate)
 
