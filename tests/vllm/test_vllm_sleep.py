@@ -120,13 +120,17 @@ def test_sleeping_servers_keep_a_real_gain_and_not_the_no_ops(tmp_path, vllm_pin
     calibration = status["calibration"]
     assert calibration["pairing"] == "sleeping" and calibration["wake"]["like_fresh"], calibration
     assert calibration["wake"]["woken"] >= 2 and calibration["wake"]["same"] >= 2
-    # the real gain kept, at most one of the ten no-ops, each decision with an interval counting start effects
+    # the real gain kept, at most one of the ten no-ops, each decision with an interval counting the start effects
+    # the calibration found. The stand-in's ±10% per start is about its timing noise on a busy machine, so 4 blocks
+    # of 2 pairs put the estimate of the spread between starts at 0 in a quarter to a third of runs (method of
+    # moments on 3 degrees of freedom); the decisions then count none, and must say so.
     assert steps["faster"]["outcome"] == "kept", steps["faster"]
     kept = [p for p in plugins if p.startswith("no-op") and steps[p]["outcome"] == "kept"]
     assert len(kept) <= NO_OPS // 10, kept
     for pid in ["faster", *(p for p in plugins if p.startswith("no-op"))]:
         decision = steps[pid]["decision"]
-        assert decision["ci_low"] is not None and decision["between"], (pid, decision)
+        assert decision["ci_low"] is not None and decision["between"] == (calibration["between"] or None), \
+            (pid, decision, calibration["between"])
     # a numerics-changing plugin is judged by agreement: every output differs, so it is incorrect
     weights = steps["other-weights"]
     assert (weights["outcome"], weights["reason"]) == ("rolled_back", "incorrect"), weights
