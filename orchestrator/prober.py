@@ -15,6 +15,7 @@ from orchestrator.plugin import NUMERICS_ENV, Plugin, numerics_env
 from orchestrator.probes.runner import ProbeResult, ProcessResult, judge_output, run_process
 from orchestrator.state_server import ServerFailed, StateServer, hush
 from orchestrator.store import dumps
+from orchestrator.turns import Turns
 
 # A throughput sample's pair index (its `repeat`), for probes: the serving probe offsets its workload's seed by
 # it, so both samples of a pair send the same prompts and no two pairs do. A server that serves the last sample
@@ -218,6 +219,8 @@ class Prober:
         if server.up:
             self.woken(step_id, arm, label, repeat, plugin, server)
         fresh = {WARMUP_ENV: "1"} if not server.up or server.samples == 0 else {}
+        if server.fills_once and len(self.throughput) == 1 and self.throughput[0].name in server.shared:
+            return self.turn(step_id, arm, label, repeat, plugin, server, {**fresh, **(extra_env or {})})
         for spec in self.throughput:
             out = self.probe(spec, step_id, arm, label, repeat, plugin, {**fresh, **(extra_env or {})})
             if not out.ok:
@@ -229,6 +232,41 @@ class Prober:
         if server.up:
             server.samples += 1
         return Sample(value, metrics, served, server.wakes, time.time())
+
+    def turn(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer,
+             extra_env: dict[str, str]) -> Sample:
+        """One window of the arm's server, filled once (orchestrator/turns.py): its driver is started, and the
+        server with it where none is up, at the server's first sample; stored as the probe's measurement."""
+        spec = self.throughput[0]
+        self.run.reporter.phase(plugin, f"probe {spec.name} ({label} #{repeat + 1})")
+        if server.turns is not None and not server.up:
+            server.end_turns()
+        if server.turns is None:
+            env = {**self.env(spec, arm, 0, plugin), **extra_env}  # one stream of prompts for the server's life
+            started = time.monotonic()
+            try:
+                command, env = server.aim(spec, env, step_id, label, plugin)
+            except ServerFailed as e:
+                out = self.server_failed(spec, e, step_id, label, repeat, time.monotonic() - started)
+                raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}",
+                                spec, out) from None
+            on_start = self.run.recorder(step_id)
+            turns = Turns([*command, "--turns"], self.run.project.base_dir, env, spec.timeout,
+                          on_start=lambda pid, ct: on_start(f"probe {spec.name} (turns)", pid, ct),
+                          on_tick=self.run.tick, tmp_dir=self.run.tmp)
+            if turns.failed is not None:
+                out = self.judged(spec, turns.failed, step_id, label, repeat, server)
+                raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name} (its fill): "
+                                f"{failure(out)}", spec, out)
+            server.turns = turns
+        result = server.turns.window(spec.timeout)
+        if result.returncode != 0:
+            server.turns = None  # stopped by its failure
+        out = self.judged(spec, result, step_id, label, repeat, server)
+        if not out.ok:
+            raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}", spec, out)
+        server.samples += 1
+        return Sample(out.value, out.metrics, out.server, server.wakes, time.time())
 
     def woken(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer) -> None:
         """The arm's live server awake (every other asleep, where the run pairs by sleeping), and the correctness

@@ -43,6 +43,7 @@ from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.probes.live_server import LiveServer, ServerFailed, log_name
 from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
+from orchestrator.turns import Turns
 
 BASE_URL_ENV = "ORCHESTRATOR_BASE_URL"  # a user's probe with `server: true`: the live server to talk to
 SERVER_PID_ENV = "ORCHESTRATOR_SERVER_PID"
@@ -68,6 +69,7 @@ class StateServer:
         self.wakes = 0  # times woken in this life: a sample's `segment` of it
         self.switches: list[tuple[int | None, str, float]] = []  # (step, "sleep" | "wake", seconds) of every life
         self.unchecked: set[str] = set()  # serving correctness probes due on it (sleeping pairing, above)
+        self.turns: Turns | None = None  # its serving driver, where it is filled once (orchestrator/turns.py)
         self._healthy = False
         self._step_id: int | None = None
         self._mark = ""
@@ -97,6 +99,7 @@ class StateServer:
         `env`, the probe environment of its state, which must then be on disk). ServerFailed ("crashed" or
         "timeout", with its log's tail) when it cannot be started or does not become healthy; it is stopped
         then."""
+        self.end_turns()  # anything else that talks to it finds it running, not paused mid-stream
         if self.server is not None and (code := self.server.exited()) is not None:
             self.run.store.event(self.run.run_id, "warning", f"the {self.what} of {label} exited with code {code} "
                                                              "between two probes; another is started", step_id)
@@ -202,9 +205,22 @@ class StateServer:
         return f"the {self.what} exited with code {code}" + (f" (log: {' | '.join(lines[-2:])[-300:]})"
                                                             if lines else "")
 
+    @property
+    def fills_once(self) -> bool:
+        """Whether its samples are windows of one fill (orchestrator/turns.py): a coresident server of a target
+        that fills once."""
+        return self.pinned == "coresident" and self.target.fills_once()
+
+    def end_turns(self) -> None:
+        """Stop its serving driver, if any (the server resumed)."""
+        turns, self.turns = self.turns, None
+        if turns is not None:
+            turns.stop()
+
     def stop(self) -> None:
         """Stop the live server, if any: SIGTERM, SIGKILL of its group after the grace period, then whatever
         escaped the group (by its mark); returns once all are gone and the GPU memory is released."""
+        self.end_turns()
         server, self.server = self.server, None
         if server is None:
             return

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import httpx
 import numpy as np
@@ -51,6 +51,8 @@ PAIR_ENV = "ORCHESTRATOR_PAIR"
 # The instant (seconds since the epoch) at which a sample's measured window begins: the staging loop gives both
 # samples of a simultaneous pair the same one (orchestrator.pairing).
 START_AT_ENV = "ORCHESTRATOR_START_AT"
+# --turns: seconds between resuming a filled server and a turn's window (the step under way at the pause ends)
+TURN_RAMP = 0.5
 # Set for the first sample on a fresh live server: a warm-up batch first (per-shape compilation, first-use
 # allocations), whatever --warmup says.
 WARMUP_ENV = "ORCHESTRATOR_WARMUP"
@@ -190,17 +192,8 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
         begin = time.perf_counter()
         window_end = math.inf
         outcomes: list[Outcome] = []
-        wave = [Outcome() for _ in range(limit)]
-
-        async def keep_busy(out: Outcome, fill_len: int) -> None:
-            outcomes.append(out)
-            await send(client, url, model, next(stream)[0], fill_len, out=out)
-            while time.perf_counter() < window_end:
-                out = Outcome()
-                outcomes.append(out)
-                await send(client, url, model, *next(stream), out=out)
-
-        tasks = [asyncio.create_task(keep_busy(out, n)) for out, n in zip(wave, workload.fill())]
+        wave, tasks = keep_filled(client, url, model, workload, stream, outcomes,
+                                  lambda: time.perf_counter() < window_end)
         try:
             fill_ended = await wait_for_fill(wave, outcomes, workload.fill_limit)
             filled = sum(map(prefilled, wave))
@@ -221,6 +214,24 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
             await asyncio.gather(*tasks, return_exceptions=True)
         cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
         return outcomes, begin, window_start, window_end, cpu, filled, fill_ended, gpus
+
+
+def keep_filled(client: httpx.AsyncClient, url: str, model: str, workload: Workload, stream, outcomes: list[Outcome],
+                running: Callable[[], bool]) -> tuple[list[Outcome], list[asyncio.Task]]:
+    """The steady state's load: ``max_concurrency`` request loops, the first wave's output lengths from
+    ``Workload.fill``, each request replaced by the stream's next one as it ends while ``running()``. Returns the
+    first wave and the loops; every request sent goes into ``outcomes``."""
+    wave = [Outcome() for _ in range(workload.concurrency)]
+
+    async def keep_busy(out: Outcome, fill_len: int) -> None:
+        outcomes.append(out)
+        await send(client, url, model, next(stream)[0], fill_len, out=out)
+        while running():
+            out = Outcome()
+            outcomes.append(out)
+            await send(client, url, model, *next(stream), out=out)
+
+    return wave, [asyncio.create_task(keep_busy(out, n)) for out, n in zip(wave, workload.fill())]
 
 
 def prefilled(o: Outcome) -> bool:
@@ -488,6 +499,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", action="store_true",
                    help="before the measured window, one concurrent batch of other prompts shaped like the "
                         f"workload (compiles per-shape kernels outside the window; also when ${WARMUP_ENV} is 1)")
+    p.add_argument("--turns", action="store_true",
+                   help="with --base-url and --duration: fill the server once, then measure one window per "
+                        "`window` line on stdin, the server paused (POST /pause?mode=keep) between windows; one "
+                        "JSON line per window; `stop` or the end of stdin resumes it and ends")
     p.add_argument("--max-failed-fraction", type=float, default=0.0,
                    help="the probe fails when more than this fraction of requests fail")
     p.add_argument("--output-weight", type=float, default=DEFAULT_WEIGHTS[0])
@@ -506,6 +521,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems = "; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-') or 'workload'}: {e['msg']}"
                              for e in exc.errors())
         p.error(problems)
+    if args.turns and not (args.base_url and args.duration):
+        p.error("--turns needs --base-url (a running server) and --duration (a steady state)")
     if os.environ.get(WARMUP_ENV, "").strip() == "1":
         args.warmup = True
     if args.start_at is None and (value := os.environ.get(START_AT_ENV, "").strip()):
@@ -577,28 +594,11 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
             base_url, model, workload, args.request_timeout, cpu_clock, start_at, counters)
         if start_at is not None:  # the fill's length is the state's own: it is part of the lag
             lag = time.time() - (end - start) - workload.ramp - start_at
-        result, cached, source = summarize_window(outcomes, start, end)
+        result, cached, source = window_result(outcomes, start, end, counters, gpus)
         result["ramp"] = workload.ramp
         result["fill_seconds"] = start - workload.ramp - begin
         result["fill_prefilled"] = filled  # of the first wave's max_concurrency prompts, when the ramp began
         result["fill_ended"] = fill_ended
-        if gpus is not None:  # clocks, temperature, power: a drift within a run is told from the machine's
-            result["gpus"] = gpus
-        result["tokens_source"] = "client"
-        if counters:  # the server's own counts: prompt tokens as their chunks ran, not at their first output
-            duration = result["duration"]
-            result.update(client_input_tokens=result["total_input_tokens"],
-                          client_output_tokens=result["total_output_tokens"],
-                          # the server counts the prompt tokens it computed: cached ones are added back for the score
-                          total_input_tokens=round(counters["prefill"] + cached),
-                          total_output_tokens=round(counters["generation"]),
-                          output_throughput=counters["generation"] / duration,
-                          total_token_throughput=(counters["prefill"] + cached + counters["generation"]) / duration,
-                          tokens_source="server")
-            if counters.get("steps"):
-                result.update(server_steps=round(counters["steps"]),
-                              server_step_ms=1e3 * counters["step_seconds"] / counters["steps"],
-                              server_step_busy=counters["step_seconds"] / duration)
     else:
         hits_before = await prefix_cache_hits(base_url)
         outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout, cpu_clock, start_at)
@@ -611,6 +611,37 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
         else:
             cached, source = 0, "none"
         result = summarize(outcomes, duration)
+    return described(result, cached, source, cpu, base_url, model, workload, args, client_cpu, lag)
+
+
+def window_result(outcomes: list[Outcome], start: float, end: float, counters: dict[str, float],
+                  gpus: list | None) -> tuple[dict, float, str]:
+    """A steady-state window's fields: the client's counts, replaced by the server's own where it gave them
+    (`counters`: prompt tokens as their chunks ran, not at their first output; its steps), and the GPUs' clocks."""
+    result, cached, source = summarize_window(outcomes, start, end)
+    if gpus is not None:  # clocks, temperature, power: a drift within a run is told from the machine's
+        result["gpus"] = gpus
+    result["tokens_source"] = "client"
+    if counters:
+        duration = result["duration"]
+        result.update(client_input_tokens=result["total_input_tokens"],
+                      client_output_tokens=result["total_output_tokens"],
+                      # the server counts the prompt tokens it computed: cached ones are added back for the score
+                      total_input_tokens=round(counters["prefill"] + cached),
+                      total_output_tokens=round(counters["generation"]),
+                      output_throughput=counters["generation"] / duration,
+                      total_token_throughput=(counters["prefill"] + cached + counters["generation"]) / duration,
+                      tokens_source="server")
+        if counters.get("steps"):
+            result.update(server_steps=round(counters["steps"]),
+                          server_step_ms=1e3 * counters["step_seconds"] / counters["steps"],
+                          server_step_busy=counters["step_seconds"] / duration)
+    return result, cached, source
+
+
+def described(result: dict, cached: float, source: str, cpu: float | None, base_url: str, model: str,
+              workload: Workload, args: argparse.Namespace, client_cpu: float, lag: float | None) -> dict:
+    """A pass's result with the workload it ran, the score and the CPU figures."""
     result.update({"backend": "openai", "model_id": model, "base_url": base_url,
                    "num_prompts": workload.num_prompts,
                    "request_rate": workload.request_rate if math.isfinite(workload.request_rate) else "inf",
@@ -670,6 +701,107 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
     return result
 
 
+async def set_paused(client: httpx.AsyncClient, base_url: str, paused: bool) -> None:
+    """Pause the server keeping its requests where they are (the engine server's and vLLM's `POST /pause?mode=keep`),
+    or resume it; ProbeError when it does not answer 200."""
+    path = "/pause?mode=keep" if paused else "/resume"
+    answer = await client.post(base_url + path)
+    if answer.status_code != 200:
+        raise ProbeError(f"POST {path} answered HTTP {answer.status_code}: {answer.text[:300]}")
+
+
+async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[], Awaitable[str]],
+                     emit: Callable[[dict], None]) -> int:
+    """``--turns``: the steady state filled once, then one window per ``window`` line that `lines` gives, the
+    server paused between them. A window that began from an idle server would pay for the fill each time (on an
+    H200 at 128 sequences 6-14 s of a 25-40 s sample); paused with its requests kept, the server takes up its
+    steady state where it left it. The first line emitted says how the fill went, then one per window (a
+    sample's fields, `turn` its index); ``stop`` or the end of `lines` resumes the server and ends. Returns the
+    windows taken."""
+    model = args.model or await served_model(base_url)
+    workload = args.workload.model_copy(update={"seed": args.seed + PAIR_STRIDE * args.pair})
+    clock = RunningServer(args.server_pid) if args.server_pid else None
+    cpu_clock = clock.cpu_seconds if clock is not None else lambda: None
+    warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
+    url = f"{base_url}/v1/completions"
+    stream = workload.stream()
+    limit = workload.concurrency
+    limits = httpx.Limits(max_connections=limit + 2, max_keepalive_connections=limit + 2)
+    turns, paused = 0, False
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+        prompt, _ = next(stream)
+        first = await send(client, url, model, prompt, 1)
+        if not first.success:
+            raise ProbeError(f"the initial test request failed: {first.error}")
+        begin = time.perf_counter()
+        outcomes: list[Outcome] = []
+        wave, tasks = keep_filled(client, url, model, workload, stream, outcomes, lambda: True)
+        try:
+            fill_ended = await wait_for_fill(wave, outcomes, workload.fill_limit)
+            fill = {"fill_seconds": time.perf_counter() - begin, "fill_prefilled": sum(map(prefilled, wave)),
+                    "fill_ended": fill_ended, **({"warmup_seconds": warmup} if warmup is not None else {})}
+            await set_paused(client, base_url, True)
+            paused = True
+            emit({"filled": True, **fill})
+            while (line := (await lines()).strip()) != "stop" and line:
+                if line != "window":
+                    raise ProbeError(f"stdin: {line[:40]!r} is not a command (window, stop)")
+                await set_paused(client, base_url, False)
+                paused = False
+                await asyncio.sleep(TURN_RAMP)
+                client_cpu, cpu_start = time.process_time(), cpu_clock()
+                before = await server_tokens(base_url)
+                start = time.perf_counter()
+                end = start + workload.duration
+                await asyncio.sleep(max(0.0, end - time.perf_counter()))
+                cpu_end = cpu_clock()
+                after = await server_tokens(base_url)
+                gpus = await asyncio.to_thread(gpu_now)
+                await set_paused(client, base_url, True)
+                paused = True
+                counters = ({k: after[k] - before[k] for k in after if k in before}
+                            if before is not None and after is not None else {})
+                cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
+                result, cached, source = window_result(outcomes, start, end, counters, gpus)
+                result.update(ramp=TURN_RAMP, turn=turns, **(fill if turns == 0 else {}))
+                result = described(result, cached, source, cpu, base_url, model, workload, args, client_cpu, None)
+                result["pair"] = args.pair
+                if reason := failure(result, args.max_failed_fraction):
+                    result["error"] = reason
+                emit(result)
+                turns += 1
+                outcomes[:] = [o for o in outcomes if not o.token_times or o.token_times[-1] >= start]
+        finally:
+            if paused:
+                try:
+                    await set_paused(client, base_url, False)  # a paused server would wait out its shutdown
+                except (httpx.HTTPError, ProbeError):
+                    pass
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return turns
+
+
+def turns_main(args: argparse.Namespace) -> int:
+    """``--turns`` from the command line: commands on stdin, one JSON line per answer on stdout, the last one
+    ``{"turns": n}`` (or ``{"error": ...}`` and exit 1)."""
+    def emit(result: dict) -> None:
+        print(json.dumps(result), flush=True)
+
+    async def lines() -> str:
+        return await asyncio.to_thread(sys.stdin.readline)
+
+    base_url = args.base_url.rstrip("/")
+    try:
+        wait_healthy(base_url, args.health_timeout)
+        emit({"turns": asyncio.run(take_turns(base_url, args, lines, emit))})
+    except (ProbeError, ServerFailed, httpx.HTTPError) as exc:
+        emit({"error": f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)})
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> dict:
     weights = (args.output_weight, args.input_weight, args.cached_weight)
     if args.import_result:
@@ -714,6 +846,8 @@ def failure(result: dict, max_failed_fraction: float) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.turns:
+        return turns_main(args)
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         result = run(args)

@@ -98,6 +98,11 @@ class Target:
         time, and no server of the kept state outlives the change."""
         return True
 
+    def fills_once(self) -> bool:
+        """Whether a coresident pair's servers are filled once and measured in turns (orchestrator/turns.py):
+        their server pauses with its requests kept (`POST /pause?mode=keep`, `POST /resume`)."""
+        return False
+
     def sleep_paths(self) -> tuple[str, str] | None:
         """(POST path that puts a live server to sleep, POST path that wakes it) for the "sleeping" pairing."""
         return None

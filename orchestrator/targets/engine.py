@@ -88,6 +88,10 @@ class EngineTargetConfig(TargetConfig):
     arms: Literal["auto", "sequential", "coresident", "simultaneous"] = "auto"
     simultaneous_arms: bool | None = None  # older spelling: true is arms: simultaneous, false arms: sequential
     coresident_kv_memory: int = Field(CORESIDENT_KV_MEMORY, ge=1 << 20)
+    # Coresident servers filled once, each sample a window of its steady state taken up again from a pause
+    # (orchestrator/turns.py), instead of a fill from idle per sample. Default: where the pairing is coresident on
+    # a GPU.
+    fill_once: bool | None = None
     kernel_checks: Literal["full", "small", "none"] | None = None  # default: small on CPU, full on GPU
     # engines: the correctness probe runs engines of its own, exact against a float64 reference (needs the
     # machine to itself); live: it asks the state's live server, by agreement with the baseline server's greedy
@@ -277,6 +281,11 @@ class EngineTarget(Target):
         if arms == "simultaneous" and self.on_gpu():
             return "coresident"  # one card: two servers would each slow the other by its own load
         return arms
+
+    def fills_once(self) -> bool:
+        if self.config.fill_once is not None:
+            return self.config.fill_once and self.pairing() == "coresident"
+        return self.pairing() == "coresident" and self.on_gpu()
 
     def memory_keys(self) -> frozenset[str]:
         return frozenset({"gpu-memory-utilization", "kv-cache-memory"}) if self.on_gpu() else frozenset()

@@ -1,0 +1,129 @@
+"""A server filled once and measured in turns: the serving probe's `--turns` mode against the real engine server
+(paused between windows with its requests kept), and the GPU run's coresident flow on a CPU with `fill_once`,
+through the real CLI: one driver per server life, each sample a window of it, nothing left running."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving_support import PY, REPO, alive_with, env, query, start_server, write_config
+from test_live_flow import CONFIG, PLUGINS
+
+TURN_ARGS = ["--max-concurrency", "4", "--input-len", "24", "--output-len", "12", "--duration", "1", "--ramp", "0.2"]
+
+
+def paused(url: str) -> bool:
+    return httpx.get(url + "/is_paused", timeout=10).json()["is_paused"]
+
+
+def held(url: str) -> tuple[float, float]:
+    """(requests the server holds, tokens it has generated so far), from its metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    generated = next(v for k, v in values.items() if k.startswith("vllm:generation_tokens"))
+    return values["vllm:num_requests_running"] + values["vllm:num_requests_waiting"], generated
+
+
+def driver(url: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "orchestrator.probes.serving", "--base-url", url, "--turns", *TURN_ARGS,
+                             *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+
+
+def answer(proc: subprocess.Popen) -> dict:
+    return json.loads(proc.stdout.readline())
+
+
+def test_a_server_filled_once_gives_one_window_per_turn_and_waits_paused_between_them(tmp_path):
+    server, url = start_server(write_config(tmp_path))
+    try:
+        proc = driver(url)
+        fill = answer(proc)
+        assert fill["filled"] and fill["fill_ended"] in ("prefilled", "saturated") and fill["fill_prefilled"] >= 1
+        assert paused(url)  # filled, then held until the first window
+        windows = []
+        for turn in range(3):
+            proc.stdin.write("window\n")
+            proc.stdin.flush()
+            windows.append(answer(proc))
+            assert paused(url), turn  # held again between windows, its requests kept where they were
+            requests, generated = held(url)
+            time.sleep(0.3)
+            assert requests >= 1 and held(url) == (requests, generated), turn
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert answer(proc) == {"turns": 3}
+        assert proc.wait(30) == 0
+        assert not paused(url)  # given back running
+        assert [w["turn"] for w in windows] == [0, 1, 2]
+        for w in windows:
+            assert "error" not in w and w["steady_state"] and w["duration"] == 1.0 and w["total_output_tokens"] > 0
+            assert w["score"] > 0 and w["tokens_source"] == "server" and w["server_steps"] > 0
+        # the fill is told once, with the first window; the later ones took up the steady state where it was left
+        assert windows[0]["fill_prefilled"] == fill["fill_prefilled"] and "fill_seconds" not in windows[1]
+    finally:
+        server.stop()
+
+
+def test_a_driver_given_a_word_it_does_not_know_says_so_and_leaves_the_server_running(tmp_path):
+    server, url = start_server(write_config(tmp_path))
+    try:
+        proc = driver(url)
+        assert answer(proc)["filled"]
+        proc.stdin.write("measure\n")
+        proc.stdin.flush()
+        said = answer(proc)
+        assert proc.wait(30) == 1
+        assert "'measure' is not a command (window, stop)" in said["error"], said
+        assert not paused(url)
+    finally:
+        server.stop()
+
+
+def test_turns_need_a_running_server_and_a_steady_state():
+    proc = subprocess.run([PY, "-m", "orchestrator.probes.serving", "--turns", "--duration", "1"], capture_output=True,
+                          text=True, env=env(), cwd=REPO, timeout=60)
+    assert proc.returncode == 2 and "--turns needs --base-url" in proc.stderr, proc.stderr
+
+
+def test_the_gpu_flow_fills_each_server_once_and_samples_it_in_turns(tmp_path):
+    """The coresident flow of test_live_flow with `fill_once`: a driver per server, started at its first sample
+    and ended before anything else talks to the server (the control re-check) and before the server stops."""
+    (tmp_path / "orchestrator.yaml").write_text(CONFIG.replace("  arms: coresident\n",
+                                                               "  arms: coresident\n  fill_once: true\n"))
+    for order, (plugin, body) in enumerate(PLUGINS.items()):
+        (tmp_path / "plugins" / plugin).mkdir(parents=True)
+        (tmp_path / "plugins" / plugin / "plugin.yaml").write_text(
+            f"id: {plugin}\norder: {order}\ntargets: [engine]\n{body}")
+    run = subprocess.run([PY, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"], cwd=tmp_path,
+                         env=env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
+    assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
+    assert (steps["other-weights"]["outcome"], steps["other-weights"]["reason"]) == ("rolled_back", "incorrect")
+
+    procs = query(tmp_path, "SELECT * FROM processes ORDER BY id")
+    servers = {p["id"]: p for p in procs if p["what"].startswith("live server")}
+    drivers = [p for p in procs if p["what"] == "probe serving (turns)"]
+    samples = query(tmp_path, "SELECT * FROM measurements WHERE probe = 'serving' ORDER BY id")
+    assert samples and all(s["ok"] for s in samples)
+    by_server: dict[int, list[dict]] = {}
+    for s in samples:
+        by_server.setdefault(s["server"], []).append(json.loads(s["metrics"]))
+    # every sample is a turn of a driver on its server; a server's turns count up from its fill, told once each
+    for served, windows in by_server.items():
+        assert served in servers, served
+        turns = [w["turn"] for w in windows]
+        assert turns[0] == 0 and all(b in (a + 1, 0) for a, b in zip(turns, turns[1:])), (served, turns)
+        assert all(("fill_seconds" in w) == (w["turn"] == 0) for w in windows)
+    fills = sum(w["turn"] == 0 for ws in by_server.values() for w in ws)
+    assert len(drivers) == fills and len(samples) >= 2 * fills, (len(drivers), fills, len(samples))
+    # each driver lived inside a server's life (started after it was healthy, ended before it stopped)
+    for d in drivers:
+        assert d["ended"] is not None and any(s["ready"] <= d["started"] and d["ended"] <= s["ended"]
+                                              for s in servers.values()), (d, servers)
+    assert alive_with(str(tmp_path)) == []
+    assert query(tmp_path, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
