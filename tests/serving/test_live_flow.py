@@ -5,6 +5,8 @@ kept state's; a wrong candidate's control re-check asks the kept state's live se
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 from serving_support import PY, alive_with, env, query
 
@@ -31,16 +33,20 @@ PLUGINS = {
 }
 
 
-def test_the_gpu_flow_runs_on_live_servers_from_calibration_to_the_final_revalidation(tmp_path):
-    import subprocess
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG)
+def stage(folder: Path, config: str = CONFIG) -> None:
+    """`orchestrator run` of `config` with PLUGINS in `folder`; it must succeed."""
+    (folder / "orchestrator.yaml").write_text(config)
     for order, (plugin, body) in enumerate(PLUGINS.items()):
-        (tmp_path / "plugins" / plugin).mkdir(parents=True)
-        (tmp_path / "plugins" / plugin / "plugin.yaml").write_text(
+        (folder / "plugins" / plugin).mkdir(parents=True)
+        (folder / "plugins" / plugin / "plugin.yaml").write_text(
             f"id: {plugin}\norder: {order}\ntargets: [engine]\n{body}")
-    run = subprocess.run([PY, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"], cwd=tmp_path,
+    run = subprocess.run([PY, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"], cwd=folder,
                          env=env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_the_gpu_flow_runs_on_live_servers_from_calibration_to_the_final_revalidation(tmp_path):
+    stage(tmp_path)
     steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
     assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
     wrong = steps["other-weights"]

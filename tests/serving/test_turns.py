@@ -11,7 +11,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving_support import PY, REPO, alive_with, env, query, start_server, write_config
-from test_live_flow import CONFIG, PLUGINS
+from test_live_flow import CONFIG, stage
 
 TURN_ARGS = ["--max-concurrency", "4", "--input-len", "24", "--output-len", "12", "--duration", "1", "--ramp", "0.2"]
 
@@ -92,15 +92,7 @@ def test_turns_need_a_running_server_and_a_steady_state():
 def test_the_gpu_flow_fills_each_server_once_and_samples_it_in_turns(tmp_path):
     """The coresident flow of test_live_flow with `fill_once`: a driver per server, started at its first sample
     and ended before anything else talks to the server (the control re-check) and before the server stops."""
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG.replace("  arms: coresident\n",
-                                                               "  arms: coresident\n  fill_once: true\n"))
-    for order, (plugin, body) in enumerate(PLUGINS.items()):
-        (tmp_path / "plugins" / plugin).mkdir(parents=True)
-        (tmp_path / "plugins" / plugin / "plugin.yaml").write_text(
-            f"id: {plugin}\norder: {order}\ntargets: [engine]\n{body}")
-    run = subprocess.run([PY, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"], cwd=tmp_path,
-                         env=env(), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stage(tmp_path, CONFIG.replace("  arms: coresident\n", "  arms: coresident\n  fill_once: true\n"))
     steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
     assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
     assert (steps["other-weights"]["outcome"], steps["other-weights"]["reason"]) == ("rolled_back", "incorrect")
