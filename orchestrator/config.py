@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from orchestrator.loading import STRICT, ConfigError, read_yaml, validate
-from orchestrator.policy import MAX_SAMPLES, Accept, Policy  # noqa: F401 - re-exported: a config holds its policy
+from orchestrator.policy import Policy
 from orchestrator.targets import Target, TargetConfig, target_class
 
 CONFIG_NAME = "orchestrator.yaml"

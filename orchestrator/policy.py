@@ -7,6 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
+from orchestrator.guardrails import parse_guardrails
 from orchestrator.loading import STRICT
 
 MAX_SAMPLES = 100  # upper bound of repeats and pairs: each one is a probe run, often minutes long
@@ -62,9 +63,7 @@ class Policy(BaseModel):
     def _pairs(self) -> "Policy":
         if self.min_pairs > self.max_pairs:
             raise ValueError(f"min_pairs ({self.min_pairs}) exceeds max_pairs ({self.max_pairs})")
-        if self.guardrails:  # the judge's module (and scipy) is imported only when there is something to parse
-            from orchestrator.decide import parse_guardrails
-            parse_guardrails(self.guardrails)
+        parse_guardrails(self.guardrails)
         return self
 
     def judging(self) -> dict:

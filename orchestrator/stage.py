@@ -11,6 +11,7 @@ from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
 from orchestrator.errors import UserError
 from orchestrator.failures import is_environment
+from orchestrator.guardrails import check_guardrails
 from orchestrator.images import TouchError
 from orchestrator.kept import KeptState
 from orchestrator.noise import Noise
@@ -36,7 +37,7 @@ def describe(d: decide.Decision) -> str:
 
 def guardrail_vetoes(policy, verdict: Verdict) -> list[str]:
     """What vetoes a keep: the policy's guardrails, and a gain that stayed implausible."""
-    return decide.check_guardrails(policy.guardrails, [s.metrics for s in verdict.base],
+    return check_guardrails(policy.guardrails, [s.metrics for s in verdict.base],
                                    [s.metrics for s in verdict.cand]) + decide.implausible_veto(verdict.decision, policy)
 
 

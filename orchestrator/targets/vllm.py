@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shlex
@@ -22,7 +20,7 @@ from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
 from orchestrator.probes.workload import Workload
 from orchestrator.targets.base import Target, TargetConfig
-from orchestrator.targets.vllm_options import DEV_MODE_ENV
+from orchestrator.targets.vllm_options import DEV_MODE_ENV, find_package
 
 # vLLM's routes in development mode: level 1 moves the weights to the host's memory and drops the KV cache, so a
 # woken server serves the same weights without loading them again
@@ -74,22 +72,6 @@ class VllmConfig(TargetConfig):
         if taken:
             raise ValueError(f"{taken[0].split('=')[0]} is set by the probes; remove it from serve_args")
         return args
-
-
-def find_package(source: Path | str | None = None) -> Path:
-    """The folder of the importable `vllm` package, found without executing it; `source`: the config to name
-    when there is none."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    try:
-        located = Path(importlib.metadata.distribution("vllm").locate_file("vllm"))
-    except importlib.metadata.PackageNotFoundError:
-        located = None
-    if located is not None and (located / "__init__.py").is_file():
-        return located
-    raise ConfigError(source, "target.package", "vllm is not installed for this interpreter "
-                      f"({sys.executable}); install it or give the package folder as target.package")
 
 
 class VllmTarget(Target):

@@ -24,12 +24,16 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from orchestrator.loading import ConfigError
 
 # files (relative to the package) whose argument parsers make up `vllm serve`, across versions
 PARSER_FILES = ("engine/arg_utils.py", "entrypoints/openai/cli_args.py", "entrypoints/common/cli_args.py",
@@ -286,11 +290,25 @@ def _subkeys(prefix: str, value, depth: int) -> list[str]:
     return keys
 
 
+def find_package(source: Path | str | None = None) -> Path:
+    """The folder of the importable `vllm` package, found without executing it; `source`: the config to name
+    when there is none."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    try:
+        located = Path(importlib.metadata.distribution("vllm").locate_file("vllm"))
+    except importlib.metadata.PackageNotFoundError:
+        located = None
+    if located is not None and (located / "__init__.py").is_file():
+        return located
+    raise ConfigError(source, "target.package", "vllm is not installed for this interpreter "
+                      f"({sys.executable}); install it or give the package folder as target.package")
+
+
 def default_package() -> Path:
     if root := os.environ.get("ORCHESTRATOR_ROOT_VLLM"):
         return Path(root)
-    from orchestrator.targets.vllm import find_package
-
     return find_package()
 
 

@@ -157,7 +157,7 @@ def test_guardrail_veto_rolls_back_and_is_stored(tmp_path, monkeypatch):
     def guard(guardrails, base, cand):
         calls.append((guardrails, base, cand))
         return ["p99_ms 10 > 5"]
-    monkeypatch.setattr(decide, "check_guardrails", guard)
+    monkeypatch.setattr("orchestrator.stage.check_guardrails", guard)
     project = make_project(tmp_path / "p", plugins=["speedup"])
     set_policy(project, interleave=False, rule="first", repeats=2, guardrails={"p99_ms": "<= 5"})
     original = tree(project.target)

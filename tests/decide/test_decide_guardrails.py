@@ -1,6 +1,6 @@
 import pytest
 
-from orchestrator.decide import GuardrailError, check_guardrails, parse_guardrail
+from orchestrator.guardrails import GuardrailError, check_guardrails, parse_guardrail
 
 
 @pytest.mark.parametrize("expr, op, kind, value", [

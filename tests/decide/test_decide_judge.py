@@ -1,5 +1,4 @@
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -196,7 +195,7 @@ def test_bad_samples_and_policies_raise_clear_errors():
 
 
 def test_judge_accepts_the_config_policy_model():
-    from orchestrator.config import Policy
+    from orchestrator.policy import Policy
 
     judge = Judge(Policy(min_gain=0.05, max_pairs=5))
     assert (judge.min_gain, judge.max_pairs, judge.rule) == (0.05, 5, "stat")

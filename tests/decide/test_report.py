@@ -1,5 +1,4 @@
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest

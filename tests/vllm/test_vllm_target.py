@@ -14,7 +14,8 @@ import pytest
 from orchestrator import patchcheck
 from orchestrator.loading import ConfigError
 from orchestrator.targets import target_class
-from orchestrator.targets.vllm import VllmTarget, deployed_kernels, find_package
+from orchestrator.targets.vllm import VllmTarget, deployed_kernels
+from orchestrator.targets.vllm_options import find_package
 from vllm_source import OPTIMIZATIONS, REPO
 
 
