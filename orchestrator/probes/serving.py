@@ -20,427 +20,41 @@ import shlex
 import signal
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
 import httpx
-import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from orchestrator.fingerprint import gpu_now
+from orchestrator.probes.client import (ProbeError, drive, drive_steady, prefilled, prefix_cache_hits, served_model,
+                                        set_paused, steady_load, wait_for_fill, watch_window)
 from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, engine_server_argv,
                                              group_cpu_seconds, on_sigterm, server_label, wait_healthy)
+from orchestrator.probes.results import (DEFAULT_WEIGHTS, import_result, summarize, window_result, with_cpu,
+                                         with_score)
 from orchestrator.probes.workload import Workload
 
-DEFAULT_WEIGHTS = (16.796, 2.799, 0.56)  # output, uncached input, cached input tokens/s
 WINDOW_STRIDE = 7919  # seed offset of each further measured window
+
 WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
-FILL_NOTICE = 5.0  # seconds of fill after which the probe says on stderr how far it got
-# A queue of prompts that has not drained over this many seconds, and this many of the server's steps, marks a
-# server that admits a prompt only as another request ends: a steady state already (wait_for_fill).
-FILL_HOLD = 1.0
-FILL_HOLD_STEPS = 4
+
 # Seed offset of each pair (--pair, $ORCHESTRATOR_PAIR): larger than every offset within one probe, so no
 # two pairs share a prompt. Both samples of a pair send the same prompts; a server reused for the next
 # pair's sample (the staging loop's A B, B A order) finds none of them in its prefix cache.
 PAIR_STRIDE = 10_000_019
+
 PAIR_ENV = "ORCHESTRATOR_PAIR"
+
 # The instant (seconds since the epoch) at which a sample's measured window begins: the staging loop gives both
 # samples of a simultaneous pair the same one (orchestrator.pairing).
 START_AT_ENV = "ORCHESTRATOR_START_AT"
+
 # --turns: seconds between resuming a filled server and a turn's window (the step under way at the pause ends)
 TURN_RAMP = 0.5
+
 # Set for the first sample on a fresh live server: a warm-up batch first (per-shape compilation, first-use
 # allocations), whatever --warmup says.
 WARMUP_ENV = "ORCHESTRATOR_WARMUP"
-
-
-class ProbeError(Exception):
-    """A failure reported as the probe's JSON ``error``."""
-
-
-# ---------------------------------------------------------------- the workload
-
-
-@dataclass
-class Outcome:
-    """One request as the client saw it."""
-
-    success: bool = False
-    error: str = ""
-    prompt_len: int = 0
-    output_tokens: int = 0
-    cached_tokens: int | None = None
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    first_at: float | None = None  # perf_counter() of the first token
-    token_times: list[float] = field(default_factory=list)  # perf_counter() of each streamed chunk
-
-
-async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-               max_tokens: int, out: Outcome | None = None) -> Outcome:
-    """One streaming completion, timed the way `vllm bench serve` times it; into `out` as it streams, so that a
-    request cancelled midway keeps what it received."""
-    out = out if out is not None else Outcome()
-    out.prompt_len = len(prompt)
-    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    start = last = time.perf_counter()
-    chunks, done = 0, False
-    try:
-        async with client.stream("POST", url, json=payload) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                msg = json.loads(data)
-                if not isinstance(msg, dict):
-                    out.error = f"stream event is not a JSON object: {data[:100]}"
-                    return out
-                if "error" in msg:
-                    out.error = f"server error in stream: {msg['error']}"
-                    return out
-                now = time.perf_counter()
-                if msg.get("choices"):
-                    if chunks == 0:
-                        out.ttft, out.first_at = now - start, now
-                    else:
-                        out.itl.append(now - last)
-                    out.token_times.append(now)
-                    last, chunks = now, chunks + 1
-                if usage := msg.get("usage"):
-                    out.output_tokens = usage.get("completion_tokens", 0)
-                    out.prompt_len = usage.get("prompt_tokens", out.prompt_len)
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens")
-    except (httpx.HTTPError, httpx.StreamError, json.JSONDecodeError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-        return out
-    out.latency = time.perf_counter() - start
-    if not done:
-        out.error = "stream ended without data: [DONE]"
-    elif chunks == 0:
-        out.error = "stream held no tokens"
-    else:
-        out.output_tokens = out.output_tokens or chunks
-        out.success = True
-    return out
-
-
-async def drive(base_url: str, model: str, workload: Workload, request_timeout: float,
-                cpu_clock: Callable[[], float | None] = lambda: None,
-                start_at: float | None = None) -> tuple[list[Outcome], float, float | None]:
-    """Sends the whole workload, from the wall-clock instant ``start_at`` if given (after one test
-    request); returns each request's outcome, the wall time and the CPU seconds ``cpu_clock`` advanced
-    over that same window (None when it cannot tell)."""
-    url = f"{base_url}/v1/completions"
-    requests, delays = workload.requests(), workload.delays()
-    limit = workload.max_concurrency or len(requests)
-    gate = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
-        first = await send(client, url, model, *requests[0])
-        if not first.success:
-            raise ProbeError(f"the initial test request failed: {first.error}")
-        if start_at is not None:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-        cpu_start = cpu_clock()
-        start = time.perf_counter()
-
-        async def one(delay: float, prompt: list[int], max_tokens: int) -> Outcome:
-            await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
-            async with gate:
-                return await send(client, url, model, prompt, max_tokens)
-
-        outcomes = await asyncio.gather(*(one(d, *r) for d, r in zip(delays, requests)))
-        duration, cpu_end = time.perf_counter() - start, cpu_clock()
-        cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
-        return list(outcomes), duration, cpu
-
-
-async def drive_steady(base_url: str, model: str, workload: Workload, request_timeout: float,
-                       cpu_clock: Callable[[], float | None] = lambda: None, start_at: float | None = None,
-                       counters: dict | None = None
-                       ) -> tuple[list[Outcome], float, float, float, float | None, int, str, list | None]:
-    """Keeps ``max_concurrency`` requests of the workload's stream in flight, from the wall-clock instant
-    ``start_at`` if given (after one test request): first the fill (``Workload.fill``), then ``ramp`` seconds,
-    then the measured ``duration``, after which those still running are cancelled (the server aborts them).
-    Returns every request sent, when the fill began and the window's bounds (perf_counter), the CPU seconds
-    ``cpu_clock`` advanced over the window, how many of the first wave were prefilled when the fill ended, how it
-    ended (``wait_for_fill``), and the GPUs' clocks at the window's end (``gpu_now``)."""
-    url = f"{base_url}/v1/completions"
-    stream = workload.stream()
-    limit = workload.concurrency
-    limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
-    async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
-        prompt, _ = next(stream)
-        first = await send(client, url, model, prompt, 1)  # the server answers: one token says so
-        if not first.success:
-            raise ProbeError(f"the initial test request failed: {first.error}")
-        if start_at is not None:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-        begin = time.perf_counter()
-        window_end = math.inf
-        outcomes: list[Outcome] = []
-        wave, tasks = keep_filled(client, url, model, workload, stream, outcomes,
-                                  lambda: time.perf_counter() < window_end)
-        try:
-            fill_ended = await wait_for_fill(wave, outcomes, workload.fill_limit)
-            filled = sum(map(prefilled, wave))
-            window_start = time.perf_counter() + workload.ramp
-            window_end = window_start + workload.duration
-            await asyncio.sleep(workload.ramp)
-            cpu_start = cpu_clock()
-            before = await server_tokens(base_url) if counters is not None else None
-            await asyncio.sleep(max(0.0, window_end - time.perf_counter()))
-            cpu_end = cpu_clock()
-            after = await server_tokens(base_url) if before is not None else None
-            gpus = await asyncio.to_thread(gpu_now)
-            if before is not None and after is not None:
-                counters.update({k: after[k] - before[k] for k in after if k in before})
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
-        return outcomes, begin, window_start, window_end, cpu, filled, fill_ended, gpus
-
-
-def keep_filled(client: httpx.AsyncClient, url: str, model: str, workload: Workload, stream, outcomes: list[Outcome],
-                running: Callable[[], bool]) -> tuple[list[Outcome], list[asyncio.Task]]:
-    """The steady state's load: ``max_concurrency`` request loops, the first wave's output lengths from
-    ``Workload.fill``, each request replaced by the stream's next one as it ends while ``running()``. Returns the
-    first wave and the loops; every request sent goes into ``outcomes``."""
-    wave = [Outcome() for _ in range(workload.concurrency)]
-
-    async def keep_busy(out: Outcome, fill_len: int) -> None:
-        outcomes.append(out)
-        await send(client, url, model, next(stream)[0], fill_len, out=out)
-        while running():
-            out = Outcome()
-            outcomes.append(out)
-            await send(client, url, model, *next(stream), out=out)
-
-    return wave, [asyncio.create_task(keep_busy(out, n)) for out, n in zip(wave, workload.fill())]
-
-
-def prefilled(o: Outcome) -> bool:
-    """Past its prefill: it streamed a token, finished or failed."""
-    return o.first_at is not None or bool(o.latency) or bool(o.error)
-
-
-def step_seconds(outcomes: list[Outcome]) -> float | None:
-    """The server's step as the client sees it: the median gap between the latest streamed tokens."""
-    gaps = [g for o in outcomes[-256:] for g in o.itl[-4:]]
-    return float(np.median(gaps)) if gaps else None
-
-
-async def wait_for_fill(wave: list[Outcome], outcomes: list[Outcome], limit: float) -> str:
-    """Waits until the first wave is past its prefill (``prefilled``) and says how the fill ended.
-
-    A window that began earlier would find the rest of the wave's prompts queued, and measure their prefill burst
-    instead of the steady state's mix (on an H200 a fill cut at 5 s left 30-80 of 128 prompts to the window, and
-    its score rose by what it lacked in decoding). A server that runs fewer sequences than the wave holds admits
-    a prompt only as another request ends: the prompts waiting for a first token then stop draining, and the fill
-    ends once they have not drained over ``FILL_HOLD`` seconds and ``FILL_HOLD_STEPS`` steps (``saturated``; the
-    fill's interleaved lengths have spread the ones it runs). ``limit`` seconds bound it (``limit``)."""
-    begin = said = time.perf_counter()
-    seen: deque[tuple[float, int]] = deque()  # (when, prompts waiting for their first token)
-    first = {id(o) for o in wave}  # the wave's requests count from the start, sent or about to be
-    while not all(prefilled(o) for o in wave):
-        now = time.perf_counter()
-        if now - begin >= limit:
-            print(f"fill: stopped at its limit of {limit:.0f} s with {sum(map(prefilled, wave))} of {len(wave)} "
-                  "prompts prefilled: the window begins with a queue", file=sys.stderr, flush=True)
-            return "limit"
-        waiting = (sum(not prefilled(o) for o in wave)
-                   + sum(not prefilled(o) for o in outcomes if id(o) not in first))
-        seen.append((now, waiting))
-        step = step_seconds(outcomes)
-        if step is not None:
-            hold = max(FILL_HOLD, FILL_HOLD_STEPS * step)
-            while len(seen) > 1 and seen[1][0] <= now - hold:
-                seen.popleft()
-            if seen[0][0] <= now - hold and waiting >= seen[0][1]:
-                return "saturated"
-        if now - said > FILL_NOTICE:  # a slow fill says how far it got
-            said = now
-            print(f"fill: {sum(map(prefilled, wave))} of {len(wave)} prompts prefilled after {now - begin:.0f} s",
-                  file=sys.stderr, flush=True)
-        await asyncio.sleep(0.02)
-    return "prefilled"
-
-
-def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple[dict, float, str]:
-    """`vllm bench serve`'s metrics over a steady-state window: the tokens streamed inside it (a chunk counts
-    as the request's tokens per chunk), the prompts whose first token came inside it, and the latencies of the
-    requests that finished inside it."""
-    def inside(t: float | None) -> bool:
-        return t is not None and start <= t < end
-
-    duration = end - start
-    done = [o for o in outcomes if o.success and o.token_times and inside(o.token_times[-1])]
-    failed = [o for o in outcomes if not o.success and o.error and o.error != "cancelled" and
-              (not o.token_times or inside(o.token_times[-1]))]
-    total_out = 0.0
-    for o in outcomes:
-        per_chunk = (o.output_tokens / len(o.token_times)) if o.success and o.output_tokens and o.token_times else 1.0
-        total_out += per_chunk * sum(1 for t in o.token_times if inside(t))
-    prefilled = [o for o in outcomes if inside(o.first_at)]
-    total_in = sum(o.prompt_len for o in prefilled)
-    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
-    result = {
-        "duration": duration, "completed": len(done), "failed": len(failed),
-        "total_input_tokens": total_in, "total_output_tokens": round(total_out),
-        "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration, "steady_state": True,
-        "requests_sent": len(outcomes),
-    }
-    result.update(_stats("ttft", [o.ttft for o in done]))
-    result.update(_stats("tpot", tpots))
-    result.update(_stats("itl", [x for o in done for x in o.itl]))
-    result.update(_stats("e2el", [o.latency for o in done]))
-    result["errors"] = sorted({o.error for o in failed})[:10]
-    cached = [o.cached_tokens for o in prefilled if o.cached_tokens is not None]
-    return result, (sum(cached) if cached else 0), ("usage" if cached else "none")
-
-
-SERVER_TOKENS = {"prefill": "engine:prefill_tokens", "generation": "vllm:generation_tokens"}
-# the engine server's steps and the wall time inside them, where it counts them: a window's steps, their mean
-# length and the share of the window they took tell a slower engine step from time lost around the engine
-SERVER_STEPS = {"steps": "engine:steps", "step_seconds": "engine:step_seconds"}
-
-
-async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ...] = ()) -> dict[str, float] | None:
-    """The server's counters `names` ({key: family name}, each summed over its labels' ``_total`` samples) from
-    /metrics; None when it answers none, or lacks one of them that is not `optional`."""
-    try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
-            resp = await client.get(f"{base_url}/metrics")
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(resp.text):
-        for key, name in names.items():
-            if family.name == name:
-                found[key] = sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return found if all(key in found for key in names if key not in optional) else None
-
-
-async def server_tokens(base_url: str) -> dict[str, float] | None:
-    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated, and of its steps
-    where it has them; None where it lacks either count of tokens (vLLM counts a prompt only at its first output)."""
-    return await counters(base_url, {**SERVER_TOKENS, **SERVER_STEPS}, optional=tuple(SERVER_STEPS))
-
-
-async def prefix_cache_hits(base_url: str) -> float | None:
-    """The server's ``vllm:prefix_cache_hits_total`` (summed over labels), or None if absent."""
-    found = await counters(base_url, {"hits": "vllm:prefix_cache_hits"})
-    return None if found is None else found["hits"]
-
-
-async def served_model(base_url: str) -> str:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        resp = await client.get(f"{base_url}/v1/models")
-    if resp.status_code != 200 or not resp.json().get("data"):
-        raise ProbeError(f"{base_url}/v1/models answered {resp.status_code} without a model")
-    return resp.json()["data"][0]["id"]
-
-
-# ---------------------------------------------------------------- results
-
-
-def _stats(name: str, values_s: list[float]) -> dict:
-    ms = np.asarray(values_s, dtype=float) * 1000 if values_s else np.zeros(1)
-    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-            f"std_{name}_ms": float(ms.std()), f"p99_{name}_ms": float(np.percentile(ms, 99))}
-
-
-def with_score(result: dict, cached_tokens: float, weights: tuple[float, float, float]) -> dict:
-    """Adds uncached and cached prompt throughput and the weighted score."""
-    duration = result["duration"]
-    result["total_cached_tokens"] = cached_tokens
-    result["input_throughput"] = (result["total_input_tokens"] - cached_tokens) / duration
-    result["cached_throughput"] = cached_tokens / duration
-    w_out, w_in, w_cached = weights
-    result["score_weights"] = {"output": w_out, "input": w_in, "cached": w_cached}
-    result["score"] = (w_out * result["output_throughput"] + w_in * result["input_throughput"]
-                       + w_cached * result["cached_throughput"])
-    return result
-
-
-def with_cpu(result: dict, cpu_seconds: float | None) -> dict:
-    """Adds the server's CPU seconds over the measured window and throughput per CPU second:
-    ``cpu_score`` is the score's weighted tokens over CPU seconds instead of wall seconds."""
-    if cpu_seconds is None or cpu_seconds <= 0:
-        return result
-    per_cpu = result["duration"] / cpu_seconds
-    result["server_cpu_seconds"] = cpu_seconds
-    result["cpu_utilization"] = cpu_seconds / result["duration"]
-    result["output_tokens_per_cpu_second"] = result["output_throughput"] * per_cpu
-    result["cpu_score"] = result["score"] * per_cpu
-    return result
-
-
-def summarize(outcomes: list[Outcome], duration: float) -> dict:
-    """`vllm bench serve`'s metrics over the completed requests."""
-    ok = [o for o in outcomes if o.success]
-    total_in = sum(o.prompt_len for o in ok)
-    total_out = sum(o.output_tokens for o in ok)
-    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
-    errors = sorted({o.error for o in outcomes if not o.success})
-    result = {
-        "duration": duration, "completed": len(ok), "failed": len(outcomes) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration,
-    }
-    result.update(_stats("ttft", [o.ttft for o in ok]))
-    result.update(_stats("tpot", tpots))
-    result.update(_stats("itl", [x for o in ok for x in o.itl]))
-    result.update(_stats("e2el", [o.latency for o in ok]))
-    result["errors"] = errors[:10]
-    return result
-
-
-REQUIRED_IMPORT_FIELDS = ("duration", "completed", "total_input_tokens", "total_output_tokens",
-                          "output_throughput")
-
-
-def import_result(path: Path, weights: tuple[float, float, float]) -> dict:
-    """Scores a `vllm bench serve --save-result` JSON; it records no cached tokens, so all prompt
-    tokens count as uncached input."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ProbeError(f"{path}: cannot read a JSON result: {exc}") from None
-    if not isinstance(data, dict):
-        raise ProbeError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    for key in REQUIRED_IMPORT_FIELDS:
-        if not isinstance(data.get(key), (int, float)) or isinstance(data.get(key), bool):
-            raise ProbeError(f"{path}: field {key!r} is missing or not a number")
-    if data["duration"] <= 0:
-        raise ProbeError(f"{path}: field 'duration' must be positive, got {data['duration']}")
-    keep = [k for k in data if isinstance(data[k], (int, float, str)) or data[k] is None]
-    result = {k: data[k] for k in keep}
-    result["failed"] = int(data.get("failed", 0) or 0)
-    result["imported_from"] = str(path)
-    return with_score(result, 0, weights)
-
-
-# ---------------------------------------------------------------- command line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -567,7 +181,7 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
         warm = workload.model_copy(update=dict(duration=max(3.0, workload.ramp), ramp=0.0,
                                                seed=workload.seed + WARMUP_OFFSET))
         began = time.perf_counter()
-        outcomes, *_ = await drive_steady(base_url, model, warm, request_timeout)
+        outcomes = (await drive_steady(base_url, model, warm, request_timeout, counted=False)).outcomes
         if not any(o.token_times for o in outcomes):
             raise ProbeError(f"the warm-up streamed no token: {sorted({o.error for o in outcomes if o.error})[:3]}")
         return time.perf_counter() - began
@@ -589,16 +203,13 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
     lag = None
     client_cpu = time.process_time()
     if workload.steady:
-        counters: dict[str, float] = {}
-        outcomes, begin, start, end, cpu, filled, fill_ended, gpus = await drive_steady(
-            base_url, model, workload, args.request_timeout, cpu_clock, start_at, counters)
+        w = await drive_steady(base_url, model, workload, args.request_timeout, cpu_clock, start_at)
         if start_at is not None:  # the fill's length is the state's own: it is part of the lag
-            lag = time.time() - (end - start) - workload.ramp - start_at
-        result, cached, source = window_result(outcomes, start, end, counters, gpus)
-        result["ramp"] = workload.ramp
-        result["fill_seconds"] = start - workload.ramp - begin
-        result["fill_prefilled"] = filled  # of the first wave's max_concurrency prompts, when the ramp began
-        result["fill_ended"] = fill_ended
+            lag = time.time() - (w.end - w.start) - workload.ramp - start_at
+        result, cached, source = window_result(w.outcomes, w.start, w.end, w.watched.counters, w.watched.gpus)
+        result.update(ramp=workload.ramp, fill_seconds=w.start - workload.ramp - w.begin, fill_prefilled=w.filled,
+                      fill_ended=w.fill_ended)
+        cpu = w.watched.cpu
     else:
         hits_before = await prefix_cache_hits(base_url)
         outcomes, duration, cpu = await drive(base_url, model, workload, args.request_timeout, cpu_clock, start_at)
@@ -612,31 +223,6 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
             cached, source = 0, "none"
         result = summarize(outcomes, duration)
     return described(result, cached, source, cpu, base_url, model, workload, args, client_cpu, lag)
-
-
-def window_result(outcomes: list[Outcome], start: float, end: float, counters: dict[str, float],
-                  gpus: list | None) -> tuple[dict, float, str]:
-    """A steady-state window's fields: the client's counts, replaced by the server's own where it gave them
-    (`counters`: prompt tokens as their chunks ran, not at their first output; its steps), and the GPUs' clocks."""
-    result, cached, source = summarize_window(outcomes, start, end)
-    if gpus is not None:  # clocks, temperature, power: a drift within a run is told from the machine's
-        result["gpus"] = gpus
-    result["tokens_source"] = "client"
-    if counters:
-        duration = result["duration"]
-        result.update(client_input_tokens=result["total_input_tokens"],
-                      client_output_tokens=result["total_output_tokens"],
-                      # the server counts the prompt tokens it computed: cached ones are added back for the score
-                      total_input_tokens=round(counters["prefill"] + cached),
-                      total_output_tokens=round(counters["generation"]),
-                      output_throughput=counters["generation"] / duration,
-                      total_token_throughput=(counters["prefill"] + cached + counters["generation"]) / duration,
-                      tokens_source="server")
-        if counters.get("steps"):
-            result.update(server_steps=round(counters["steps"]),
-                          server_step_ms=1e3 * counters["step_seconds"] / counters["steps"],
-                          server_step_busy=counters["step_seconds"] / duration)
-    return result, cached, source
 
 
 def described(result: dict, cached: float, source: str, cpu: float | None, base_url: str, model: str,
@@ -701,15 +287,6 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
     return result
 
 
-async def set_paused(client: httpx.AsyncClient, base_url: str, paused: bool) -> None:
-    """Pause the server keeping its requests where they are (the engine server's and vLLM's `POST /pause?mode=keep`),
-    or resume it; ProbeError when it does not answer 200."""
-    path = "/pause?mode=keep" if paused else "/resume"
-    answer = await client.post(base_url + path)
-    if answer.status_code != 200:
-        raise ProbeError(f"POST {path} answered HTTP {answer.status_code}: {answer.text[:300]}")
-
-
 async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[], Awaitable[str]],
                      emit: Callable[[dict], None]) -> int:
     """``--turns``: the steady state filled once, then one window per ``window`` line that `lines` gives, the
@@ -723,63 +300,42 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
     clock = RunningServer(args.server_pid) if args.server_pid else None
     cpu_clock = clock.cpu_seconds if clock is not None else lambda: None
     warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
-    url = f"{base_url}/v1/completions"
-    stream = workload.stream()
-    limit = workload.concurrency
-    limits = httpx.Limits(max_connections=limit + 2, max_keepalive_connections=limit + 2)
     turns, paused = 0, False
-    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
-        prompt, _ = next(stream)
-        first = await send(client, url, model, prompt, 1)
-        if not first.success:
-            raise ProbeError(f"the initial test request failed: {first.error}")
-        begin = time.perf_counter()
-        outcomes: list[Outcome] = []
-        wave, tasks = keep_filled(client, url, model, workload, stream, outcomes, lambda: True)
+    async with steady_load(base_url, model, workload, args.request_timeout, spare=2) as load:
         try:
-            fill_ended = await wait_for_fill(wave, outcomes, workload.fill_limit)
-            fill = {"fill_seconds": time.perf_counter() - begin, "fill_prefilled": sum(map(prefilled, wave)),
+            fill_ended = await wait_for_fill(load.wave, load.outcomes, workload.fill_limit)
+            fill = {"fill_seconds": time.perf_counter() - load.begin, "fill_prefilled": sum(map(prefilled, load.wave)),
                     "fill_ended": fill_ended, **({"warmup_seconds": warmup} if warmup is not None else {})}
-            await set_paused(client, base_url, True)
+            await set_paused(load.client, base_url, True)
             paused = True
             emit({"filled": True, **fill})
             while (line := (await lines()).strip()) != "stop" and line:
                 if line != "window":
                     raise ProbeError(f"stdin: {line[:40]!r} is not a command (window, stop)")
-                await set_paused(client, base_url, False)
+                await set_paused(load.client, base_url, False)
                 paused = False
                 await asyncio.sleep(TURN_RAMP)
-                client_cpu, cpu_start = time.process_time(), cpu_clock()
-                before = await server_tokens(base_url)
-                start = time.perf_counter()
+                client_cpu, start = time.process_time(), time.perf_counter()
                 end = start + workload.duration
-                await asyncio.sleep(max(0.0, end - time.perf_counter()))
-                cpu_end = cpu_clock()
-                after = await server_tokens(base_url)
-                gpus = await asyncio.to_thread(gpu_now)
-                await set_paused(client, base_url, True)
+                watched = await watch_window(base_url, end, cpu_clock)
+                await set_paused(load.client, base_url, True)
                 paused = True
-                counters = ({k: after[k] - before[k] for k in after if k in before}
-                            if before is not None and after is not None else {})
-                cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
-                result, cached, source = window_result(outcomes, start, end, counters, gpus)
+                result, cached, source = window_result(load.outcomes, start, end, watched.counters, watched.gpus)
                 result.update(ramp=TURN_RAMP, turn=turns, **(fill if turns == 0 else {}))
-                result = described(result, cached, source, cpu, base_url, model, workload, args, client_cpu, None)
+                result = described(result, cached, source, watched.cpu, base_url, model, workload, args, client_cpu,
+                                   None)
                 result["pair"] = args.pair
                 if reason := failure(result, args.max_failed_fraction):
                     result["error"] = reason
                 emit(result)
                 turns += 1
-                outcomes[:] = [o for o in outcomes if not o.token_times or o.token_times[-1] >= start]
+                load.outcomes[:] = [o for o in load.outcomes if not o.token_times or o.token_times[-1] >= start]
         finally:
             if paused:
                 try:
-                    await set_paused(client, base_url, False)  # a paused server would wait out its shutdown
+                    await set_paused(load.client, base_url, False)  # a paused server would wait out its shutdown
                 except (httpx.HTTPError, ProbeError):
                     pass
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
     return turns
 
 

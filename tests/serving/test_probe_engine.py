@@ -10,7 +10,10 @@ import httpx
 import pytest
 
 from serving_support import PY, REPO, alive_with, env, run_probe, write_config
-from orchestrator.probes.serving import PAIR_STRIDE, Workload, failure, prefix_cache_hits, with_score
+from orchestrator.probes.client import prefix_cache_hits
+from orchestrator.probes.results import with_score
+from orchestrator.probes.serving import PAIR_STRIDE, failure
+from orchestrator.probes.workload import Workload
 
 WORKLOAD = ["--num-prompts", "8", "--input-len", "40", "--output-len", "6",
             "--shared-prefix-fraction", "0.5", "--max-concurrency", "4", "--seed", "3"]
