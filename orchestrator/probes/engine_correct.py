@@ -27,12 +27,11 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from engine.config import KERNEL_KEYS, ConfigError, EngineConfig, key_ops, load_config
 from engine.llm import LLM
-from orchestrator.probes.agreement import compare
+from orchestrator.probes.reference import ProbeFailure, compare, read_reference, write_reference
 
 FORMAT = 1
 # Short prompts decode on attention-decode; long ones cross v2's 512-token partitions and the
@@ -42,10 +41,6 @@ LONG_LENGTHS = (601, 640, 700, 730, 777, 800)
 MAX_TOKENS = 24
 LONG_SPLIT = 512  # decode-long-threshold that sends exactly the long prompts to attention-decode-long
 CHECK_TIMEOUT = 900
-
-
-class ProbeFailure(Exception):
-    """Reported as ``{"passed": false, "error": ...}``."""
 
 
 def prompt_set(seed: int = 20240611) -> list[list[int]]:
@@ -80,35 +75,8 @@ def record(config: EngineConfig, path: Path) -> dict:
                      **{key.replace("-", "_"): "reference" for key in KERNEL_KEYS})
     reference = {"format": FORMAT, **identity(config), "max_tokens": MAX_TOKENS,
                  "prompts": prompts, "outputs": generate(ref_config, prompts, MAX_TOKENS)[0]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(reference, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_reference(path, reference)
     return reference
-
-
-def load_reference(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ProbeFailure(f"{path}: cannot read the reference: {exc}") from None
-    for key, kind in (("format", int), ("prompts", list), ("outputs", list), ("max_tokens", int),
-                      ("model", str), ("dtype", str), ("device", str)):
-        if not isinstance(data.get(key), kind):
-            raise ProbeFailure(f"{path}: field {key!r} is missing or not a {kind.__name__}")
-    if data["format"] != FORMAT:
-        raise ProbeFailure(f"{path}: field 'format' is {data['format']}, this probe reads {FORMAT}")
-    if len(data["prompts"]) != len(data["outputs"]):
-        raise ProbeFailure(f"{path}: field 'outputs' holds {len(data['outputs'])} completions "
-                           f"for {len(data['prompts'])} prompts")
-    return data
 
 
 def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
@@ -299,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ProbeFailure(str(exc)) from None
     compared = config.updated(dtype=args.compare_dtype) if args.compare_dtype else config
     recorded = not args.reference.exists()
-    reference = record(compared, args.reference) if recorded else load_reference(args.reference)
+    reference = record(compared, args.reference) if recorded else read_reference(args.reference, FORMAT, (("dtype", str), ("device", str)))
     return {**judge(reference, compared, args, checked=config), "recorded": recorded,
             "reference": str(args.reference)}
 

@@ -31,15 +31,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
 from orchestrator.plugin import NUMERICS_ENV
-from orchestrator.probes.agreement import compare
 from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, on_sigterm, server_label,
                                              wait_healthy)
+from orchestrator.probes.reference import ProbeFailure, compare, read_reference, write_reference
 
 FORMAT = 1
 LENGTHS = (1, 7, 16, 17, 33, 64, 150, 300)  # prompt lengths: single-token, block edges, multi-block
@@ -47,14 +46,6 @@ MAX_TOKENS = 16
 TOKEN_RANGE = (0, 256)  # ids every vocabulary has, the project's tiny engine's included
 SEED = 20240611
 CHECK_TIMEOUT = 900
-
-
-class ProbeFailure(Exception):
-    """Reported as ``{"passed": false, "error": ...}`` (with ``reason`` when a server was at fault)."""
-
-    def __init__(self, message: str, reason: str | None = None):
-        super().__init__(message)
-        self.reason = reason
 
 
 def prompt_set(lengths: tuple[int, ...] = LENGTHS, low: int = TOKEN_RANGE[0], high: int = TOKEN_RANGE[1],
@@ -99,36 +90,6 @@ def generate(base_url: str, model: str | None, prompts: list[list[int]], max_tok
 
 
 # ---------------------------------------------------------------- the reference
-
-
-def write_atomically(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def load_reference(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ProbeFailure(f"{path}: cannot read the reference: {exc}") from None
-    for key, kind in (("format", int), ("model", str), ("max_tokens", int), ("prompts", list), ("outputs", list)):
-        if not isinstance(data.get(key), kind):
-            raise ProbeFailure(f"{path}: field {key!r} is missing or not a {kind.__name__}")
-    if data["format"] != FORMAT:
-        raise ProbeFailure(f"{path}: field 'format' is {data['format']}, this probe reads {FORMAT}")
-    if len(data["outputs"]) != len(data["prompts"]):
-        raise ProbeFailure(f"{path}: field 'outputs' holds {len(data['outputs'])} completions for "
-                           f"{len(data['prompts'])} prompts")
-    return data
 
 
 def may_record() -> bool:
@@ -289,7 +250,7 @@ def serve_and_generate(args: argparse.Namespace, prompts: list[list[int]],
 
 def run(args: argparse.Namespace) -> dict:
     prompts = prompt_set(tuple(args.lengths), *args.token_id_range)
-    reference = load_reference(args.reference) if args.reference.exists() else None
+    reference = read_reference(args.reference, FORMAT) if args.reference.exists() else None
     if reference is None and not may_record():
         raise ProbeFailure(f"{args.reference} holds no reference; it is recorded when the baseline is probed "
                            f"(this is {os.environ.get('ORCHESTRATOR_PLUGIN')!r})")
@@ -311,7 +272,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"model": model, "reference": str(args.reference), "prompts": len(prompts), **facts}
     if reference is None:
         deterministic = passes[0] == passes[1]
-        write_atomically(args.reference, {"format": FORMAT, "model": model, "max_tokens": args.max_tokens,
+        write_reference(args.reference, {"format": FORMAT, "model": model, "max_tokens": args.max_tokens,
                                           "prompts": prompts, "outputs": outputs, "deterministic": deterministic})
         result.update(recorded=True, deterministic=deterministic, mode=mode, passed=True)
     else:

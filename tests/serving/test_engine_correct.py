@@ -118,6 +118,7 @@ def test_reference_of_another_model_is_refused_and_kept(fp32_reference, tmp_path
 
 @pytest.mark.parametrize("content, message", [
     ("{not json", "cannot read the reference"),
+    ("[1, 2]", "the reference must be a JSON object, got list"),
     (json.dumps({"format": 1, "prompts": [[1]], "outputs": [], "max_tokens": 2, "model": "tiny",
                  "dtype": "float32", "device": "cpu"}), "field 'outputs' holds 0 completions for 1 prompts"),
     (json.dumps({"format": 1, "prompts": [[1]], "outputs": [[2]], "max_tokens": 2, "model": "tiny"}),
