@@ -34,32 +34,8 @@ declare -A PARTS=(
     [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
 )
 
-# One folder for both: the wheels the payload also carries have the payload's versions
-# (benchmarks/make_wheels.sh), so installing them there replaces nothing vLLM was tested with.
-export PYTHONPATH="$PROJ:$SITE"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-    PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
-export PATH="$(dirname "$(command -v python3)"):$PATH"
-if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc >/dev/null; then
-    CUDA_HOME="$(dirname "$(dirname "$(command -v nvcc)")")"
-    export CUDA_HOME
-fi
-
-die() { echo "run.sh: $*" >&2; exit 2; }
+source "$TREE/benchmarks/vllm_machine.sh"
 orch() { python3 -m orchestrator.cli "$@" --config "$CONFIG"; }
-alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-# The payload's own server (serve.sh starts one on port 8000) holds 90 % of the card: stop its group.
-stop_payload_server() {
-    alive /tmp/serve.pid || return 0
-    local pid
-    pid=$(cat /tmp/serve.pid)
-    echo "stopping the payload's server (pid $pid)"
-    kill -TERM -- "-$pid" 2>/dev/null || true
-    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
-    sleep 5
-}
 
 setup() {
     [[ -f $SITE/vllm/engine/arg_utils.py ]] || die "no vLLM in $SITE: run ../shared/vllm-h200/serve.sh first"
