@@ -3,6 +3,7 @@
     python -m engine.gpu_report [--model qwen3.6-35b-a3b-dense] [--layers 40] [--full-workload]
                                 [--sections checks,graphs,decode,moe,gdn,engine,profile]
     python -m engine.gpu_report --sections moe-tune     # the per-size MoE launch search (~5 min)
+    python -m engine.gpu_report --sections engine,served  # offline, then through the HTTP server
 
 ``--model``: ``qwen3.6-35b-a3b`` (the default: the hybrid model, 30 Gated DeltaNet and 10 attention
 layers) or ``qwen3.6-35b-a3b-dense`` (every layer attention). In order, each section printed as soon
@@ -41,6 +42,13 @@ as it is done (a run cut short keeps what it finished):
 
 ``moe-tune`` (not run by default): per token count, a search over BLOCK_M and each GEMM's tiles;
 writes the winners to ``$OUT/moe_configs/`` in the form ``kernels/moe_configs/`` reads.
+
+``served`` (not run by default; it needs the server's and the client's packages, ``benchmarks/make_wheels.sh``):
+the engine section's throughput workload through ``engine.server`` and the serving probe's client, every
+prompt sent at once, streamed as ``vllm bench serve`` streams (vLLM's figures are served ones): output tok/s
+beside the engine section's offline figure where it ran, the server's own step count and busy share, and the
+CPU its HTTP thread (the main one) and its engine thread spent per second: one process serves both, so what
+the HTTP side holds of the interpreter's lock the engine's step waits for.
 
 It imports nothing beyond torch, Triton, NumPy, PyYAML and the project. The last lines are a compact
 table; every figure also goes to ``$OUT/gpu_report.json`` when OUT is set.
@@ -562,6 +570,91 @@ def section_engine(args) -> None:
     RESULTS["engine"] = out
 
 
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads from /proc: its main thread (``main``; the engine server's HTTP side)
+    and the rest (``others``: the engine's step loop, torch's threads)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {"main": 0.0, "others": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        out["main" if task.name == str(pid) else "others"] += (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+async def _served_batch(url: str, model: str, workload, pid: int) -> tuple[list, float, dict, dict]:
+    """Every request of ``workload`` sent at once and streamed to its end: the outcomes, the wall time, the
+    server's counters and its threads' CPU seconds, each as the difference over that time."""
+    import asyncio
+
+    import httpx
+
+    from orchestrator.probes.client import send, server_tokens
+
+    limits = httpx.Limits(max_connections=workload.num_prompts, max_keepalive_connections=workload.num_prompts)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        before, cpu_before = await server_tokens(url), _thread_cpu(pid)
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(*(send(client, f"{url}/v1/completions", model, prompt, n)
+                                          for prompt, n in workload.requests()))
+        elapsed = time.perf_counter() - t0
+        after, cpu_after = await server_tokens(url), _thread_cpu(pid)
+    counters = {k: after[k] - before[k] for k in after if k in before} if before and after else {}
+    return outcomes, elapsed, counters, {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
+
+
+def section_served(args) -> None:
+    import asyncio
+    import tempfile
+
+    import yaml
+
+    from orchestrator.probes.client import served_model
+    from orchestrator.probes.live_server import LiveServer, engine_server_argv
+    from orchestrator.probes.workload import Workload
+
+    z = args.sizes
+    output_len = z.full_output_len if args.full_workload else z.output_len
+    shape = dict(num_prompts=z.num_prompts, input_len=z.input_len, range_ratio=0.0, shared_prefix_fraction=0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "serve.yaml"
+        config.write_text(yaml.safe_dump(_engine_config(args)))
+        t0 = time.perf_counter()
+        with LiveServer(engine_server_argv(str(config)), stop_timeout=30) as server:
+            server.wait_healthy(1800)
+            startup = time.perf_counter() - t0
+            model = asyncio.run(served_model(server.url))
+            # the first batch of a shape compiles Triton kernels: outside the measure
+            asyncio.run(_served_batch(server.url, model, Workload(output_len=min(16, output_len), seed=1, **shape),
+                                      server.pid))
+            outcomes, elapsed, counters, cpu = asyncio.run(_served_batch(
+                server.url, model, Workload(output_len=output_len, seed=2, **shape), server.pid))
+    failed = [o.error for o in outcomes if not o.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outcomes)} requests failed: {sorted(set(failed))[:3]}")
+    generated = sum(o.output_tokens for o in outcomes)
+    out = dict(num_prompts=z.num_prompts, input_len=z.input_len, output_len=output_len, startup_s=startup,
+               elapsed_s=elapsed, output_tok_s=generated / elapsed,
+               thread_cpu_per_s={k: v / elapsed for k, v in cpu.items()})
+    if counters.get("steps"):
+        out.update(server_steps=counters["steps"], step_ms=1e3 * counters["step_seconds"] / counters["steps"],
+                   step_busy=counters["step_seconds"] / elapsed)
+    offline = RESULTS.get("engine", {}).get("throughput_graphs") or RESULTS.get("engine", {}).get("throughput_eager")
+    if offline and offline["output_len"] == output_len:
+        out["offline_output_tok_s"] = offline["output_tok_s"]
+        out["served_over_offline"] = out["output_tok_s"] / offline["output_tok_s"]
+    RESULTS["served"] = out
+    cpu = out["thread_cpu_per_s"]
+    summary(f"served {z.num_prompts} x ({z.input_len} in, {output_len} out)",
+            f"{out['output_tok_s']:.0f} output tok/s ({elapsed:.1f} s)"
+            + (f", {100 * out['served_over_offline']:.0f}% of offline" if "served_over_offline" in out else "")
+            + (f"; steps {out['step_ms']:.1f} ms, busy {100 * out['step_busy']:.0f}%" if "step_ms" in out else "")
+            + f"; CPU per second: HTTP thread {cpu['main']:.2f}, the others {cpu['others']:.2f}",
+            ">= 6,371 on 200 x (1000 / 2000) (vLLM 0.34.0's defaults, served)" if args.full_workload else "")
+
+
 # ---------------------------------------------------------------- 7. a decode step by kernel class
 MOE_GEMMS, ROUTING, GDN, ATTENTION = "MoE GEMMs", "MoE routing and alignment", "Gated DeltaNet", "attention"
 NORMS, PROJECTIONS, REST = "norms and rope", "projections", "the rest"
@@ -731,7 +824,7 @@ SMOKE = Sizes(graph_prompts=3, graph_tokens=4, decode_batch=3, prompt_len=20, nu
               output_len=4, full_output_len=6, gdn_batches=(2,), gdn_prefill=8, profile_batches=(2, 3),
               profile_steps=2)
 SMOKE_MODELS = {"qwen3.6-35b-a3b": "tiny-hybrid", "qwen3.6-35b-a3b-dense": "tiny"}
-SECTIONS = ("checks", "graphs", "decode", "moe", "moe-tune", "gdn", "engine", "profile")
+SECTIONS = ("checks", "graphs", "decode", "moe", "moe-tune", "gdn", "engine", "served", "profile")
 DEFAULT_SECTIONS = ("checks", "graphs", "decode", "moe", "gdn", "engine", "profile")
 
 
@@ -745,7 +838,8 @@ def _host_ceilings() -> tuple[float, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.gpu_report", description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                   help=f"comma-separated, of {', '.join(SECTIONS)} (moe-tune: a longer MoE search, ~5 min)")
+                   help=f"comma-separated, of {', '.join(SECTIONS)} (moe-tune: a longer MoE search, ~5 min; served: "
+                        "needs the server's packages)")
     p.add_argument("--model", default=MODELS[0], choices=MODELS,
                    help="the model of the graphs, engine and profile sections (default: the hybrid one)")
     p.add_argument("--layers", type=int, default=40, help="engine and profile sections: how many of the model's layers")
@@ -762,7 +856,7 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     if args.device == "cpu":
         args.sizes = SMOKE
-        sections = [name for name in sections if name in ("graphs", "gdn", "engine", "profile")]
+        sections = [name for name in sections if name in ("graphs", "gdn", "engine", "served", "profile")]
     else:
         args.sizes = Sizes()
         if not torch.cuda.is_available():
@@ -798,6 +892,8 @@ def main(argv=None) -> int:
                 section_gdn(args, copy_gbps)
             elif name == "engine":
                 section_engine(args)
+            elif name == "served":
+                section_served(args)
             else:
                 section_profile(args, copy_gbps, mm_tflops)
         except Exception as exc:  # report and go on: the other sections still measure

@@ -282,3 +282,50 @@ def test_cpu_smoke_run_of_the_profile_section_fills_every_class_table(tmp_path):
         for cls in (gpu_report.ATTENTION, gpu_report.GDN, gpu_report.NORMS, gpu_report.ROUTING, gpu_report.PROJECTIONS):
             assert rows[cls]["kernels"] > 0 and rows[cls]["ms"] > 0, cls
     assert f"batch {gpu_report.SMOKE.profile_batches[-1]}: {gpu_report.MOE_GEMMS}" in p.stdout
+
+
+def test_thread_cpu_tells_the_main_thread_from_the_others():
+    import os
+    import threading
+    import time
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    before = gpu_report._thread_cpu(os.getpid())
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        time.sleep(0.5)  # the main thread waits: the spinning one is busy
+        during = gpu_report._thread_cpu(os.getpid())  # a thread's CPU is listed while it lives
+    finally:
+        stop.set()
+        worker.join()
+    assert during["others"] - before["others"] >= 0.2
+    assert during["main"] - before["main"] < 0.2
+
+
+def test_the_served_section_streams_the_engine_sections_workload_through_the_engine_server(tmp_path):
+    """A smoke run on the CPU: the same engine config served, every token of the batch streamed back and counted,
+    its throughput set beside the offline one, the server's steps and its threads' CPU read."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo)}
+    p = subprocess.run([sys.executable, "-m", "engine.gpu_report", "--device", "cpu", "--sections", "engine,served"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=repo)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    served, sizes = report["served"], gpu_report.SMOKE
+    assert round(served["output_tok_s"] * served["elapsed_s"]) == sizes.num_prompts * sizes.output_len
+    assert served["served_over_offline"] == served["output_tok_s"] / report["engine"]["throughput_graphs"]["output_tok_s"]
+    assert served["server_steps"] >= sizes.output_len and 0 < served["step_busy"]
+    assert set(served["thread_cpu_per_s"]) == {"main", "others"}
+    assert not any("FAILED" in value for _, value, _ in report["summary"])
