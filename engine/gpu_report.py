@@ -19,7 +19,10 @@ as it is done (a run cut short keeps what it finished):
    step run eagerly (must be identical) and against the plain eager engine.
 3. ``decode``: v2_triton's share of the copy bandwidth at batch 32 and 128, contexts 4K and 8K, over
    a sweep of its launch parameters (tiles, warps, stages, programs per SM, split length), eagerly;
-   the default and the best also replayed from a CUDA graph, as the engine runs a decode step.
+   the default and the best also replayed from a CUDA graph, as the engine runs a decode step; where vLLM can
+   be imported (the vLLM payload's /tmp/site on PYTHONPATH), its own Triton decode attention on the same
+   workloads (``kernels/vllm_decode.py``: its caches converted to the Triton backends' layout once, each KV split
+   whose output agrees with v2_triton's, eager and replayed).
 4. ``moe``: MoE triton against the weight-streaming floor and ``torch._grouped_mm``, 1 to 16,384
    tokens, default and best of a few launch configurations.
 5. ``gdn`` (a hybrid ``--model``): the Gated DeltaNet layer's small ops (``gdn-fused``: convolution
@@ -196,7 +199,13 @@ DECODE_SWEEP = ([dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64)
 def section_decode(args, copy_gbps: float) -> None:
     """Each configuration timed eagerly; the default and the best also replayed from a CUDA graph
     (as a captured decode step runs them: no host work between the two kernels)."""
+    from kernels import vllm_decode
+
     fn = kernels.get("paged_decode", "v2_triton")
+    theirs, where = vllm_decode.find()
+    if theirs is None:
+        say(f"  vLLM's Triton decode attention cannot be imported here (the vLLM payload's /tmp/site on PYTHONPATH "
+            f"brings it): {where[:300]}")
     rows, best_rows = [], []
     for b, c in [(32, 4096), (128, 4096), (128, 8192)]:
         a, nbytes, _ = bench.decode_workload(batch=b, context=c)
@@ -222,9 +231,42 @@ def section_decode(args, copy_gbps: float) -> None:
         summary(f"decode v2_triton {b} x {c}", f"graph replay {pct(default_graph):.0f}% of copy BW default, "
                 f"{pct(best_graph):.0f}% best ({best_cfg or 'default'}), {pct(static):.0f}% with a 256K bound; "
                 f"eager {pct(default):.0f}% default, {pct(best):.0f}% best", ">= 80%")
+        if theirs is not None:
+            best_rows[-1].update(_against_vllm(theirs, fn, a, default_graph, pct, f"{b} x {c}"))
         del a
         torch.cuda.empty_cache()
     RESULTS["decode"] = dict(copy_gbps=copy_gbps, best=best_rows, sweep=rows)
+
+
+def _against_vllm(theirs, fn, a: dict, ours_graph_ms: float | None, pct, shape: str) -> dict:
+    """vLLM's Triton decode attention on the same workload, in this process: each KV split of
+    ``vllm_decode.SPLITS`` whose output agrees with v2_triton's, eager and replayed from a CUDA graph; the
+    fastest replay set against v2_triton's default one."""
+    from kernels import vllm_decode
+
+    expected = fn(**a).float()
+    timed, disagree = {}, []
+    for splits in vllm_decode.SPLITS:
+        call = vllm_decode.prepared(theirs, **a, num_kv_splits=splits)
+        err = (call().float() - expected).abs().max().item()
+        if not err <= 2e-2:  # bf16 outputs of two correct kernels differ by rounding only
+            disagree.append(f"{splits} splits: max |difference| {err:.3g}")
+            continue
+        timed[splits] = (_ms(call), _ms(call, True))
+        del call
+    if disagree:
+        say(f"  vLLM's decode at {shape} disagrees with v2_triton: {'; '.join(disagree)}")
+    if not timed:
+        return {"vllm": "no KV split agreed"}
+    splits = min(timed, key=lambda k: timed[k][1] or float("inf"))
+    eager, graph = timed[splits]
+    row = dict(vllm_splits=splits, vllm_ms=eager, vllm_pct=pct(eager), vllm_graph_ms=graph, vllm_graph_pct=pct(graph))
+    if graph and ours_graph_ms:
+        row["vllm_over_v2_triton"] = graph / ours_graph_ms
+    summary(f"decode vLLM triton {shape}", f"graph replay {pct(graph):.0f}% of copy BW ({splits} splits), eager "
+            f"{pct(eager):.0f}%" + (f"; v2_triton's default takes {1 / row['vllm_over_v2_triton']:.2f}x its time"
+                                   if "vllm_over_v2_triton" in row else ""), "v2_triton faster")
+    return row
 
 
 # ---------------------------------------------------------------- 4. MoE
