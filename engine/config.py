@@ -108,6 +108,9 @@ class EngineConfig:
     rms_norm: VariantChain = _key(VariantChain, "torch")  # residual add + RMSNorm
     qk_norm_rope: VariantChain = _key(VariantChain, "torch")  # per-head q/k RMSNorm + rotary embedding
     cuda_graphs: bool = _key(bool, True)  # decode steps replayed from CUDA graphs; ignored on the CPU
+    # engine.server: tokens a streamed response sends together after its first (vLLM's --stream-interval): the HTTP
+    # side, which shares the interpreter with the engine's step loop, handles that many times fewer messages
+    stream_interval: int = _key(int, 1, ge=1)
 
     # set by load_config (``_attach``): the file or "<dict>", the resolved model, the mapping read
     _source: ClassVar[str] = "<dict>"

@@ -23,6 +23,7 @@ from typing import Any
 from engine.config import ConfigError, EngineConfig, load_config
 
 SCHEDULING = ("max-num-seqs", "max-num-batched-tokens", "block-size", "max-model-len", "seed")
+SERVING = ("stream-interval",)  # what engine.server does around the engine
 
 
 def effective(config: EngineConfig, max_context: int | None = None) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def effective(config: EngineConfig, max_context: int | None = None) -> dict[str,
     raw = config.as_dict()
     out: dict[str, Any] = {"model": asdict(config.hf), "device": device.type,
                            "dtype": str(dtype).removeprefix("torch."), "prefix-caching": config.prefix_caching}
-    out.update({k: raw[k.replace("-", "_")] for k in SCHEDULING})
+    out.update({k: raw[k.replace("-", "_")] for k in SCHEDULING + SERVING})
     ignored: dict[str, str] = {}
     if config.enable_prefix_caching and not config.prefix_caching:
         ignored["enable-prefix-caching"] = "a hybrid model caches no prefix"

@@ -51,7 +51,8 @@ the engine section's throughput workload through ``engine.server`` and the servi
 prompt sent at once, streamed as ``vllm bench serve`` streams (vLLM's figures are served ones): output tok/s
 beside the engine section's offline figure where it ran, the server's own step count and busy share, and the
 CPU its HTTP thread (the main one) and its engine thread spent per second: one process serves both, so what
-the HTTP side holds of the interpreter's lock the engine's step waits for.
+the HTTP side holds of the interpreter's lock the engine's step waits for. One server per ``--stream-intervals``
+value (default 1 and 4: tokens a streamed response sends together, the HTTP side's lever).
 
 It imports nothing beyond torch, Triton, NumPy, PyYAML and the project. The last lines are a compact
 table; every figure also goes to ``$OUT/gpu_report.json`` when OUT is set.
@@ -648,6 +649,28 @@ async def _served_batch(url: str, model: str, workload, pid: int) -> tuple[list,
 
 
 def section_served(args) -> None:
+    z = args.sizes
+    output_len = z.full_output_len if args.full_workload else z.output_len
+    offline = RESULTS.get("engine", {}).get("throughput_graphs") or RESULTS.get("engine", {}).get("throughput_eager")
+    rows = []
+    for interval in args.stream_intervals:
+        out = _served(args, output_len, interval)
+        if offline and offline["output_len"] == output_len:
+            out["offline_output_tok_s"] = offline["output_tok_s"]
+            out["served_over_offline"] = out["output_tok_s"] / offline["output_tok_s"]
+        rows.append(out)
+        cpu = out["thread_cpu_per_s"]
+        summary(f"served {z.num_prompts} x ({z.input_len} in, {output_len} out), stream-interval {interval}",
+                f"{out['output_tok_s']:.0f} output tok/s ({out['elapsed_s']:.1f} s)"
+                + (f", {100 * out['served_over_offline']:.0f}% of offline" if "served_over_offline" in out else "")
+                + (f"; steps {out['step_ms']:.1f} ms, busy {100 * out['step_busy']:.0f}%" if "step_ms" in out else "")
+                + f"; CPU per second: HTTP thread {cpu['main']:.2f}, the others {cpu['others']:.2f}",
+                ">= 6,371 on 200 x (1000 / 2000) (vLLM 0.34.0's defaults, served)" if args.full_workload else "")
+    RESULTS["served"] = rows
+
+
+def _served(args, output_len: int, interval: int) -> dict:
+    """The workload through a server of the engine section's config with ``stream-interval`` ``interval``."""
     import asyncio
     import tempfile
 
@@ -658,11 +681,10 @@ def section_served(args) -> None:
     from orchestrator.probes.workload import Workload
 
     z = args.sizes
-    output_len = z.full_output_len if args.full_workload else z.output_len
     shape = dict(num_prompts=z.num_prompts, input_len=z.input_len, range_ratio=0.0, shared_prefix_fraction=0.0)
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "serve.yaml"
-        config.write_text(yaml.safe_dump(_engine_config(args)))
+        config.write_text(yaml.safe_dump({**_engine_config(args), "stream-interval": interval}))
         t0 = time.perf_counter()
         with LiveServer(engine_server_argv(str(config)), stop_timeout=30) as server:
             server.wait_healthy(1800)
@@ -676,25 +698,13 @@ def section_served(args) -> None:
     failed = [o.error for o in outcomes if not o.success]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outcomes)} requests failed: {sorted(set(failed))[:3]}")
-    generated = sum(o.output_tokens for o in outcomes)
-    out = dict(num_prompts=z.num_prompts, input_len=z.input_len, output_len=output_len, startup_s=startup,
-               elapsed_s=elapsed, output_tok_s=generated / elapsed,
+    out = dict(stream_interval=interval, num_prompts=z.num_prompts, input_len=z.input_len, output_len=output_len,
+               startup_s=startup, elapsed_s=elapsed, output_tok_s=sum(o.output_tokens for o in outcomes) / elapsed,
                thread_cpu_per_s={k: v / elapsed for k, v in cpu.items()})
     if counters.get("steps"):
         out.update(server_steps=counters["steps"], step_ms=1e3 * counters["step_seconds"] / counters["steps"],
                    step_busy=counters["step_seconds"] / elapsed)
-    offline = RESULTS.get("engine", {}).get("throughput_graphs") or RESULTS.get("engine", {}).get("throughput_eager")
-    if offline and offline["output_len"] == output_len:
-        out["offline_output_tok_s"] = offline["output_tok_s"]
-        out["served_over_offline"] = out["output_tok_s"] / offline["output_tok_s"]
-    RESULTS["served"] = out
-    cpu = out["thread_cpu_per_s"]
-    summary(f"served {z.num_prompts} x ({z.input_len} in, {output_len} out)",
-            f"{out['output_tok_s']:.0f} output tok/s ({elapsed:.1f} s)"
-            + (f", {100 * out['served_over_offline']:.0f}% of offline" if "served_over_offline" in out else "")
-            + (f"; steps {out['step_ms']:.1f} ms, busy {100 * out['step_busy']:.0f}%" if "step_ms" in out else "")
-            + f"; CPU per second: HTTP thread {cpu['main']:.2f}, the others {cpu['others']:.2f}",
-            ">= 6,371 on 200 x (1000 / 2000) (vLLM 0.34.0's defaults, served)" if args.full_workload else "")
+    return out
 
 
 # ---------------------------------------------------------------- 7. a decode step by kernel class
@@ -891,6 +901,8 @@ def main(argv=None) -> int:
                    help="graphs section: dtypes of the small-preset check (comma-separated, e.g. float32,bfloat16)")
     p.add_argument("--full-workload", action="store_true",
                    help="engine section: 200 x (1,000 in, 2,000 out) with graphs, instead of 200 out on and off")
+    p.add_argument("--stream-intervals", default="1,4", type=lambda v: [int(x) for x in v.split(",")],
+                   help="served section: the servers' stream-interval, one server each (default: 1,4)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the graphs, gdn, engine and profile sections on the tiny presets, a few "
                         "tokens each (gdn: with TRITON_INTERPRET=1)")

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import uvicorn
@@ -77,13 +77,15 @@ class _Stream:
     queue: asyncio.Queue
     index: int
     started: bool = False
+    held: list[int] = field(default_factory=list)  # tokens of this request not sent yet (stream-interval)
 
 
 class EngineWorker:
     """Runs the engine's step loop on its own thread and routes step outputs to request queues."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, stream_interval: int = 1):
         self.engine = engine
+        self.stream_interval = stream_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopping = threading.Event()
@@ -174,9 +176,15 @@ class EngineWorker:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
                 continue
+            first = not stream.started
             stream.started = True
             if out.finished:
                 del self._streams[out.request_id]
+            if self.stream_interval > 1:  # the first token at once (its latency is the prompt's), then in chunks
+                stream.held += out.new_token_ids
+                if not (first or out.finished or len(stream.held) >= self.stream_interval):
+                    continue
+                out, stream.held = replace(out, new_token_ids=stream.held), []
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, out))
         self._count()
 
@@ -529,9 +537,9 @@ async def completions(request: Request) -> Response:
     return await stream.response()
 
 
-def build_app(engine: Any, tokenizer: Any, limits: Limits) -> FastAPI:
+def build_app(engine: Any, tokenizer: Any, limits: Limits, stream_interval: int = 1) -> FastAPI:
     """The HTTP app around ``engine`` (anything with the ``LLMEngine`` step API)."""
-    worker = EngineWorker(engine)
+    worker = EngineWorker(engine, stream_interval)
 
     async def lifespan(_app: FastAPI):
         worker.start()
@@ -606,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     disable_created_metrics()  # vLLM exposes no *_created series either
     logging.getLogger("engine").info("serving %s on http://%s:%d", limits.model_name,
                                              args.host, args.port)
-    uvicorn.run(build_app(engine, tokenizer, limits), host=args.host, port=args.port,
+    uvicorn.run(build_app(engine, tokenizer, limits, config.stream_interval), host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 

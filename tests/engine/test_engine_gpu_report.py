@@ -323,9 +323,12 @@ def test_the_served_section_streams_the_engine_sections_workload_through_the_eng
                        env=env, capture_output=True, text=True, timeout=600, cwd=repo)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_report.json").read_text())
-    served, sizes = report["served"], gpu_report.SMOKE
-    assert round(served["output_tok_s"] * served["elapsed_s"]) == sizes.num_prompts * sizes.output_len
-    assert served["served_over_offline"] == served["output_tok_s"] / report["engine"]["throughput_graphs"]["output_tok_s"]
-    assert served["server_steps"] >= sizes.output_len and 0 < served["step_busy"]
-    assert set(served["thread_cpu_per_s"]) == {"main", "others"}
+    sizes = gpu_report.SMOKE
+    assert [s["stream_interval"] for s in report["served"]] == [1, 4]
+    for served in report["served"]:
+        assert round(served["output_tok_s"] * served["elapsed_s"]) == sizes.num_prompts * sizes.output_len
+        offline = report["engine"]["throughput_graphs"]["output_tok_s"]
+        assert served["served_over_offline"] == served["output_tok_s"] / offline
+        assert served["server_steps"] >= sizes.output_len and 0 < served["step_busy"]
+        assert set(served["thread_cpu_per_s"]) == {"main", "others"}
     assert not any("FAILED" in value for _, value, _ in report["summary"])

@@ -85,6 +85,30 @@ def test_streamed_token_ids_equal_generate_and_end_with_done(server, llm):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_that_many(tmp_path, llm):
+    """stream-interval 4: the same tokens and text as generate, in chunks of 1, 4, 4 and the rest; several
+    requests at once each keep their own count."""
+    server, url = start_server(write_config(tmp_path, TINY_CONFIG + "stream-interval: 4\n"))
+    prompts = [[7, 300, 12, 99, 5, 5, 200, 41, 17], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]]
+    expected = llm.generate(prompts, 10)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(stream(client, url, prompt=p, max_tokens=10, return_token_ids=True)
+                                          for p in prompts))
+
+    try:
+        answers = asyncio.run(go())
+    finally:
+        server.stop()
+    for events, tokens in zip(answers, expected):
+        chunks = [e["choices"][0] for e in events[:-1]]
+        assert [len(c["token_ids"]) for c in chunks] == [1, 4, 4, 1]
+        assert [t for c in chunks for t in c["token_ids"]] == tokens
+        assert "".join(c["text"] for c in chunks) == tokenizer.decode(tokens)
+        assert [c["finish_reason"] for c in chunks] == [None, None, None, "length"]
+
+
 def test_streamed_text_never_splits_a_character(server):
     # a multi-byte prompt makes a multi-byte continuation likely; any split would show as U+FFFD
     prompt = "naïve café, 東京 — ünïcödé " * 3
