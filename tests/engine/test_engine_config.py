@@ -47,6 +47,8 @@ def test_a_file_and_a_dict_give_the_same_config(tmp_path):
     ("model: gpt-9\n", "model", "neither a preset"),
     ("num-layers: 0\n", "num-layers", "greater than or equal to 1"),
     ("max-model-len: 100000\n", "max-model-len", "max_position_embeddings"),
+    ("stream-interval: 0\n", "stream-interval", "greater than or equal to 1"),
+    ("stream-interval: 2.5\n", "stream-interval", "valid integer"),
 ])
 def test_bad_values_name_the_file_and_the_key(tmp_path, text, key, words):
     path = write(tmp_path, "model: tiny\n" + text)
