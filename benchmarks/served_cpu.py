@@ -11,16 +11,11 @@ falls on both. Needs two cores. Prints one line per measure and the medians as J
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
-
-import yaml
 
 CONFIG = {"model": "tiny-hybrid", "device": "cpu", "dtype": "float32", "max-model-len": 256, "max-num-seqs": 64,
           "max-num-batched-tokens": 4096, "kv-cache-memory": 1 << 28, "enable-prefix-caching": False}
@@ -40,25 +35,12 @@ def offline() -> dict:
 
 
 def served(interval: int) -> dict:
-    from engine.gpu_report import _served_batch
-    from orchestrator.probes.client import served_model
-    from orchestrator.probes.live_server import LiveServer, engine_server_argv
-    from orchestrator.probes.workload import Workload
+    from engine.gpu_report import served as through_server
 
-    shape = dict(num_prompts=PROMPTS, input_len=INPUT_LEN, range_ratio=0.0, shared_prefix_fraction=0.0)
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "serve.yaml"
-        config.write_text(yaml.safe_dump({**CONFIG, "stream-interval": interval}))
-        argv = engine_server_argv(str(config)) + ["--cpu-affinity", str(ENGINE_CPU)]
-        with LiveServer(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}) as server:
-            server.wait_healthy(300)
-            model = asyncio.run(served_model(server.url))
-            asyncio.run(_served_batch(server.url, model, Workload(output_len=8, seed=1, **shape), server.pid))
-            outcomes, elapsed, counters, cpu = asyncio.run(_served_batch(
-                server.url, model, Workload(output_len=OUTPUT_LEN, seed=2, **shape), server.pid))
-    return {"output_tok_s": sum(o.output_tokens for o in outcomes) / elapsed,
-            "step_ms": 1e3 * counters["step_seconds"] / counters["steps"],
-            "step_busy": counters["step_seconds"] / elapsed, "http_thread_cpu": cpu["main"] / elapsed}
+    out = through_server({**CONFIG, "stream-interval": interval}, PROMPTS, INPUT_LEN, OUTPUT_LEN,
+                         ("--cpu-affinity", str(ENGINE_CPU)), {**os.environ, "OMP_NUM_THREADS": "1"})
+    return {"output_tok_s": out["output_tok_s"], "step_ms": out["step_ms"], "step_busy": out["step_busy"],
+            "http_thread_cpu": out["thread_cpu_per_s"]["main"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -654,7 +654,7 @@ def section_served(args) -> None:
     offline = RESULTS.get("engine", {}).get("throughput_graphs") or RESULTS.get("engine", {}).get("throughput_eager")
     rows = []
     for interval in args.stream_intervals:
-        out = _served(args, output_len, interval)
+        out = served({**_engine_config(args), "stream-interval": interval}, z.num_prompts, z.input_len, output_len)
         if offline and offline["output_len"] == output_len:
             out["offline_output_tok_s"] = offline["output_tok_s"]
             out["served_over_offline"] = out["output_tok_s"] / offline["output_tok_s"]
@@ -669,8 +669,12 @@ def section_served(args) -> None:
     RESULTS["served"] = rows
 
 
-def _served(args, output_len: int, interval: int) -> dict:
-    """The workload through a server of the engine section's config with ``stream-interval`` ``interval``."""
+def served(config: dict, num_prompts: int, input_len: int, output_len: int, server_args: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> dict:
+    """``num_prompts`` x (``input_len`` in, ``output_len`` out) through an engine server of ``config`` (a serve
+    config's keys), after one batch of the same shape and 16 tokens out (it compiles Triton kernels outside the
+    measure): output tok/s, the server's steps and its threads' CPU per second. ``server_args`` and ``env`` go
+    to the server's command line and environment."""
     import asyncio
     import tempfile
 
@@ -680,17 +684,15 @@ def _served(args, output_len: int, interval: int) -> dict:
     from orchestrator.probes.live_server import LiveServer, engine_server_argv
     from orchestrator.probes.workload import Workload
 
-    z = args.sizes
-    shape = dict(num_prompts=z.num_prompts, input_len=z.input_len, range_ratio=0.0, shared_prefix_fraction=0.0)
+    shape = dict(num_prompts=num_prompts, input_len=input_len, range_ratio=0.0, shared_prefix_fraction=0.0)
     with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "serve.yaml"
-        config.write_text(yaml.safe_dump({**_engine_config(args), "stream-interval": interval}))
+        path = Path(tmp) / "serve.yaml"
+        path.write_text(yaml.safe_dump(config))
         t0 = time.perf_counter()
-        with LiveServer(engine_server_argv(str(config)), stop_timeout=30) as server:
+        with LiveServer(engine_server_argv(str(path)) + list(server_args), env=env, stop_timeout=30) as server:
             server.wait_healthy(1800)
             startup = time.perf_counter() - t0
             model = asyncio.run(served_model(server.url))
-            # the first batch of a shape compiles Triton kernels: outside the measure
             asyncio.run(_served_batch(server.url, model, Workload(output_len=min(16, output_len), seed=1, **shape),
                                       server.pid))
             outcomes, elapsed, counters, cpu = asyncio.run(_served_batch(
@@ -698,8 +700,9 @@ def _served(args, output_len: int, interval: int) -> dict:
     failed = [o.error for o in outcomes if not o.success]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outcomes)} requests failed: {sorted(set(failed))[:3]}")
-    out = dict(stream_interval=interval, num_prompts=z.num_prompts, input_len=z.input_len, output_len=output_len,
-               startup_s=startup, elapsed_s=elapsed, output_tok_s=sum(o.output_tokens for o in outcomes) / elapsed,
+    out = dict(stream_interval=config.get("stream-interval", 1), num_prompts=num_prompts, input_len=input_len,
+               output_len=output_len, startup_s=startup, elapsed_s=elapsed,
+               output_tok_s=sum(o.output_tokens for o in outcomes) / elapsed,
                thread_cpu_per_s={k: v / elapsed for k, v in cpu.items()})
     if counters.get("steps"):
         out.update(server_steps=counters["steps"], step_ms=1e3 * counters["step_seconds"] / counters["steps"],
