@@ -45,6 +45,8 @@ plugins: plugins
 state: state
 policy: {policy}
 """
+# a 60-second window: a run is still sampling when a test's signal comes, however slow the machine
+LONG_WINDOW = CONFIG.replace("duration: null", "duration: 60")
 ONE_SAMPLE = "{rule: first, repeats: 1, interleave: false, min_gain: 0.3, min_pairs: 1, max_pairs: 1}"
 PLUGIN = """\
 id: {id}
@@ -288,7 +290,7 @@ def test_sigterm_to_the_run_stops_its_server_first(tmp_path, vllm_pinned):
     (tmp_path / "serve").mkdir()
     (tmp_path / "serve" / "serve.yaml").write_text(SERVE)
     (tmp_path / "plugins").mkdir()
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
+    (tmp_path / "orchestrator.yaml").write_text(LONG_WINDOW.format(package=vllm_pinned, policy=ONE_SAMPLE))
     run = start_run(tmp_path)
     try:
         wait_until(lambda: any("vllm serve" in p for p in left_behind(str(tmp_path))), run, "the live server")
@@ -311,7 +313,7 @@ def test_recover_kills_the_server_of_a_killed_run(tmp_path, vllm_pinned):
     (tmp_path / "serve").mkdir()
     (tmp_path / "serve" / "serve.yaml").write_text(SERVE + "standin-ignore-sigterm: true\n")
     (tmp_path / "plugins").mkdir()
-    (tmp_path / "orchestrator.yaml").write_text(CONFIG.format(package=vllm_pinned, policy=ONE_SAMPLE))
+    (tmp_path / "orchestrator.yaml").write_text(LONG_WINDOW.format(package=vllm_pinned, policy=ONE_SAMPLE))
     run = start_run(tmp_path)
     try:
         wait_until(lambda: [p for p in left_behind(str(tmp_path)) if "SIG_IGN" in p], run, "the live server")
