@@ -32,6 +32,8 @@ err = Console(stderr=True, width=None if Console(stderr=True).is_terminal else _
 COMMAND_LINE = "command line"  # where an option's bad value came from, in errors
 ConfigOpt = typer.Option(None, "--config", "-c", help="orchestrator.yaml (default: ./orchestrator.yaml, else the "
                                                        "embedded default)")
+ArmsOpt = typer.Option(None, "--arms", help="embedded default: how a candidate's samples pair with the kept state's "
+                       "(auto, sequential, coresident, simultaneous; target.arms)")
 
 
 def command(fn: Callable) -> Callable:
@@ -159,6 +161,7 @@ def run(config: Optional[Path] = ConfigOpt,
         device: Optional[str] = typer.Option(None, help="embedded default: the engine's device (cpu, cuda, cuda:N)"),
         dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
         num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth"),
+        arms: Optional[str] = ArmsOpt,
         attribute: bool = typer.Option(False, "--attribute", help="after the final re-validation, measure each "
                                        "kept plugin's contribution (the stack without it against the whole stack)"),
         reverify: bool = typer.Option(False, "--reverify", help="stage nothing; re-judge the kept plugins whose "
@@ -174,7 +177,8 @@ def run(config: Optional[Path] = ConfigOpt,
     from orchestrator.lock import project_lock
     from orchestrator.loop import Interrupted, run as stage_all
     from orchestrator.status import status_data
-    project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
+    project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers,
+                                "arms": arms})
     plugins = _plugins(project)
     only_ids, skip_ids = _ids(only), _ids(skip)
     if reverify and (attribute or only_ids or skip_ids or workers or ray_address):
@@ -253,14 +257,16 @@ def calibrate(config: Optional[Path] = ConfigOpt,
               preset: Optional[str] = typer.Option(None, help="embedded default: the engine's model preset"),
               device: Optional[str] = typer.Option(None, help="embedded default: the engine's device"),
               dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
-              num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth")) -> None:
+              num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth"),
+              arms: Optional[str] = ArmsOpt) -> None:
     """An A/A test of the target as it is: the spread of the objective within a server's life and between starts,
     the false-keep rate and the pairs needed at the policy's bar. Later runs judge by it."""
     from orchestrator.calibrate import run_calibration
     from orchestrator.lock import project_lock
     from orchestrator.loop import Interrupted
     from orchestrator.status import calibration_lines, status_data
-    project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers})
+    project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers,
+                                "arms": arms})
     plugins = _plugins(project)
     project.target.check()
     with project_lock(project):

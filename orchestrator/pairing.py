@@ -12,7 +12,7 @@ the judge decides.
   most of the card). `simultaneous`: both samples of a pair measured at once from one agreed instant
   (START_AT_ENV), both servers on one core while the probes run on the others (Target.probe_cpus): the OS
   interleaves them every few milliseconds, so a core whose speed drifts by 10-20% within seconds slows both
-  alike.
+  alike. Where the servers are filled once (a GPU), both drivers are asked for a window at once.
 - `Reused`: `interleave: false`: the kept state's samples reused as the baseline arm, the candidate's taken one
   after the other (Welch's interval).
 - `Duet`: a screening worker and its partner (screening.py, policy `duet`), each with both states in a folder of
@@ -36,7 +36,7 @@ from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.noise import Noise, pairs_per_start
 from orchestrator.policy import MAX_SAMPLES, Policy
-from orchestrator.prober import START_AT_ENV, Arm, ArmFailed, Prober, Sample, Verdict, failure
+from orchestrator.prober import START_AT_ENV, WARMUP_ENV, Arm, ArmFailed, Prober, Sample, Verdict, failure
 from orchestrator.probes.runner import ProbeResult, ProcessResult, kill_group, run_process
 from orchestrator.state_server import StateServer
 
@@ -184,6 +184,8 @@ class Together(Pairing):
         """One simultaneous pair: each throughput probe run on both arms' servers at once (on threads; the
         database is written from this one, which records the processes as the threads report them). A warm-up
         pair is stored under the arms `candidate warm-up` and `baseline warm-up` and judged by no one."""
+        if all(self.prober.in_turns(arm.server) for arm in arms.values()):
+            return self.windows_at_once(step_id, n, plugin, arms, warm_up)
         metrics: dict[str, dict] = {label: {} for label in arms}
         values: dict[str, float | None] = {label: None for label in arms}
         served: dict[str, int | None] = {label: None for label in arms}
@@ -210,6 +212,22 @@ class Together(Pairing):
         for arm in arms.values():
             arm.server.samples += 1
         return {label: Sample(values[label], metrics[label], served[label]) for label in arms}
+
+    def windows_at_once(self, step_id: int | None, n: int, plugin: str, arms: dict[str, Arm],
+                        warm_up: bool = False) -> dict[str, Sample]:
+        """One simultaneous pair on servers filled once (orchestrator/turns.py): each server's driver started and
+        filled where it has none (one after the other), then both asked for a window at once, so that both
+        windows cover the same seconds of the machine."""
+        spec = self.prober.throughput[0]
+        self.run.reporter.phase(plugin, f"probe {spec.name} (both arms #{n + 1})")
+        drivers = {label: self.prober.driver(step_id, arm, label, n, plugin, arm.server,
+                                             {WARMUP_ENV: "1"} if arm.server.samples == 0 else {})
+                   for label, arm in arms.items()}
+        for driver in drivers.values():
+            driver.ask()
+        results = {label: driver.answer(spec.timeout) for label, driver in drivers.items()}
+        return {label: self.prober.turn(step_id, label, n, arms[label].server, results[label],
+                                        f"{label} warm-up" if warm_up else None) for label in arms}
 
     def run_together(self, jobs: dict[str, tuple[list[str], dict[str, str]]], spec,
                      step_id: int | None) -> dict[str, ProcessResult]:

@@ -219,8 +219,10 @@ class Prober:
         if server.up:
             self.woken(step_id, arm, label, repeat, plugin, server)
         fresh = {WARMUP_ENV: "1"} if not server.up or server.samples == 0 else {}
-        if server.fills_once and len(self.throughput) == 1 and self.throughput[0].name in server.shared:
-            return self.turn(step_id, arm, label, repeat, plugin, server, {**fresh, **(extra_env or {})})
+        if self.in_turns(server):
+            self.run.reporter.phase(plugin, f"probe {self.throughput[0].name} ({label} #{repeat + 1})")
+            turns = self.driver(step_id, arm, label, repeat, plugin, server, {**fresh, **(extra_env or {})})
+            return self.turn(step_id, label, repeat, server, turns.window(self.throughput[0].timeout))
         for spec in self.throughput:
             out = self.probe(spec, step_id, arm, label, repeat, plugin, {**fresh, **(extra_env or {})})
             if not out.ok:
@@ -233,12 +235,16 @@ class Prober:
             server.samples += 1
         return Sample(value, metrics, served, server.wakes, time.time())
 
-    def turn(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer,
-             extra_env: dict[str, str]) -> Sample:
-        """One window of the arm's server, filled once (orchestrator/turns.py): its driver is started, and the
-        server with it where none is up, at the server's first sample; stored as the probe's measurement."""
+    def in_turns(self, server: StateServer) -> bool:
+        """Whether the server's samples are windows of one fill (orchestrator/turns.py): it fills once, and its
+        one throughput probe is the target's own serving probe."""
+        return server.fills_once and len(self.throughput) == 1 and self.throughput[0].name in server.shared
+
+    def driver(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer,
+               extra_env: dict[str, str]) -> Turns:
+        """The serving driver of the arm's server, started (and the server with it where none is up) and filled
+        at the server's first sample."""
         spec = self.throughput[0]
-        self.run.reporter.phase(plugin, f"probe {spec.name} ({label} #{repeat + 1})")
         if server.turns is not None and not server.up:
             server.end_turns()
         if server.turns is None:
@@ -259,10 +265,16 @@ class Prober:
                 raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name} (its fill): "
                                 f"{failure(out)}", spec, out)
             server.turns = turns
-        result = server.turns.window(spec.timeout)
+        return server.turns
+
+    def turn(self, step_id: int | None, label: str, repeat: int, server: StateServer, result: ProcessResult,
+             stored_as: str | None = None) -> Sample:
+        """A window of the server's driver, stored as the probe's measurement (under the arm `stored_as`, default
+        `label`); ArmFailed where it failed."""
+        spec = self.throughput[0]
         if result.returncode != 0:
             server.turns = None  # stopped by its failure
-        out = self.judged(spec, result, step_id, label, repeat, server)
+        out = self.judged(spec, result, step_id, stored_as or label, repeat, server)
         if not out.ok:
             raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}", spec, out)
         server.samples += 1

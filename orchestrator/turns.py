@@ -5,7 +5,8 @@ A throughput sample started as a probe of its own fills the server from idle bef
 (`Target.fills_once`), the arm's live server gets one driver: `orchestrator.probes.serving --turns`, started at
 its first sample, which fills it, pauses it (its requests kept where they are) and waits on stdin. Each sample
 then asks for one window: the driver resumes the server, measures, pauses it again and answers with one JSON
-line, the probe protocol's result line. The driver ends (`stop`: the server resumed, then the driver's group
+line, the probe protocol's result line. Simultaneous arms ask both drivers at once (`ask`, then `answer`), so that
+both windows cover the same seconds. The driver ends (`stop`: the server resumed, then the driver's group
 killed if it lingers) before anything else talks to its server and before the server stops.
 
 The driver runs in its own process group, carries a process mark and has its row in the processes table, so
@@ -95,11 +96,20 @@ class Turns:
 
     def window(self, timeout: float) -> ProcessResult:
         """One measured window, as a probe's result; a driver that fails or times out is stopped."""
+        self.ask()
+        return self.answer(timeout)
+
+    def ask(self) -> None:
+        """Start a window without waiting for it: the drivers of simultaneous arms are asked one right after the
+        other, so that their windows cover the same seconds."""
         try:
             self.proc.stdin.write("window\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, ValueError, OSError):
             pass  # it has exited: its answer says how
+
+    def answer(self, timeout: float) -> ProcessResult:
+        """The window asked for, as a probe's result; a driver that fails or times out is stopped."""
         result = self._answer(timeout)
         if result.returncode != 0:
             self.stop()

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 
 import httpx
 import numpy as np
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.fingerprint import gpu_now
@@ -249,10 +250,35 @@ async def steady_load(base_url: str, model: str, workload: Workload, request_tim
 class Watched:
     """What the server and the machine said of a window: the differences of the server's counters
     (``server_tokens``; empty where it gave none), the CPU seconds of the server's clock, the GPUs' clocks at
-    its end (``gpu_now``)."""
+    its end (``gpu_now``), the whole machine's CPU load over it (``host_load``)."""
     counters: dict[str, float]
     cpu: float | None
     gpus: list | None
+    host: dict[str, float] = field(default_factory=dict)
+
+
+def host_load(before, after, seconds: float) -> dict[str, float]:
+    """The machine's CPU over a window, from two readings of ``psutil.cpu_times()``: ``host_busy_cores``, the
+    cores busy on average (the server's, the probes' and anything else's), and ``host_steal``, the share of the
+    machine's CPU time a hypervisor gave to other guests. A window that ran slow for no reason of its own shows
+    one of them high."""
+    if before is None or after is None or seconds <= 0:
+        return {}
+    delta = {name: getattr(after, name) - getattr(before, name) for name in after._fields}
+    total = sum(delta[name] for name in ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+                if name in delta)
+    if total <= 0:
+        return {}
+    idle = delta["idle"] + delta.get("iowait", 0.0)
+    steal = delta.get("steal", 0.0)
+    return {"host_busy_cores": (total - idle - steal) / seconds, "host_steal": steal / total}
+
+
+def cpu_times():
+    try:
+        return psutil.cpu_times()
+    except (psutil.Error, OSError):
+        return None
 
 
 async def watch_window(base_url: str, end: float, cpu_clock: Callable[[], float | None] = lambda: None,
@@ -260,15 +286,17 @@ async def watch_window(base_url: str, end: float, cpu_clock: Callable[[], float 
     """Waits until ``end`` (perf_counter), reading the server's counters (where ``counted``) and ``cpu_clock``
     now and then."""
     cpu_start = cpu_clock()
+    host_start, began = cpu_times(), time.perf_counter()
     before = await server_tokens(base_url) if counted else None
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
     cpu_end = cpu_clock()
+    host = host_load(host_start, cpu_times(), time.perf_counter() - began)
     after = await server_tokens(base_url) if before is not None else None
     gpus = await asyncio.to_thread(gpu_now)
     counters = ({k: after[k] - before[k] for k in after if k in before}
                 if before is not None and after is not None else {})
     cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
-    return Watched(counters, cpu, gpus)
+    return Watched(counters, cpu, gpus, host)
 
 
 @dataclass

@@ -74,12 +74,14 @@ def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple
 
 
 def window_result(outcomes: list[Outcome], start: float, end: float, counters: dict[str, float],
-                  gpus: list | None) -> tuple[dict, float, str]:
+                  gpus: list | None, host: dict[str, float] | None = None) -> tuple[dict, float, str]:
     """A steady-state window's fields: the client's counts, replaced by the server's own where it gave them
-    (`counters`: prompt tokens as their chunks ran, not at their first output; its steps), and the GPUs' clocks."""
+    (`counters`: prompt tokens as their chunks ran, not at their first output; its steps), the GPUs' clocks and
+    the machine's CPU load (`host`)."""
     result, cached, source = summarize_window(outcomes, start, end)
     if gpus is not None:  # clocks, temperature, power: a drift within a run is told from the machine's
         result["gpus"] = gpus
+    result.update(host or {})
     result["tokens_source"] = "client"
     if counters:
         duration = result["duration"]

@@ -206,7 +206,8 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
         w = await drive_steady(base_url, model, workload, args.request_timeout, cpu_clock, start_at)
         if start_at is not None:  # the fill's length is the state's own: it is part of the lag
             lag = time.time() - (w.end - w.start) - workload.ramp - start_at
-        result, cached, source = window_result(w.outcomes, w.start, w.end, w.watched.counters, w.watched.gpus)
+        result, cached, source = window_result(w.outcomes, w.start, w.end, w.watched.counters, w.watched.gpus,
+                                               w.watched.host)
         result.update(ramp=workload.ramp, fill_seconds=w.start - workload.ramp - w.begin, fill_prefilled=w.filled,
                       fill_ended=w.fill_ended)
         cpu = w.watched.cpu
@@ -315,13 +316,14 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
                 await set_paused(load.client, base_url, False)
                 paused = False
                 await asyncio.sleep(TURN_RAMP)
-                client_cpu, start = time.process_time(), time.perf_counter()
+                client_cpu, start, started = time.process_time(), time.perf_counter(), time.time()
                 end = start + workload.duration
                 watched = await watch_window(base_url, end, cpu_clock)
                 await set_paused(load.client, base_url, True)
                 paused = True
-                result, cached, source = window_result(load.outcomes, start, end, watched.counters, watched.gpus)
-                result.update(ramp=TURN_RAMP, turn=turns, **(fill if turns == 0 else {}))
+                result, cached, source = window_result(load.outcomes, start, end, watched.counters, watched.gpus,
+                                                       watched.host)
+                result.update(ramp=TURN_RAMP, turn=turns, window_started=started, **(fill if turns == 0 else {}))
                 result = described(result, cached, source, watched.cpu, base_url, model, workload, args, client_cpu,
                                    None)
                 result["pair"] = args.pair

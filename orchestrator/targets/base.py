@@ -89,7 +89,7 @@ class Target:
         "sleeping" (a live server of each state, one awake at a time: the other sleeps, its memory given back,
         and is woken for its own samples). The last three need servers that read their state at start, so that
         each serves its state whatever is on disk later (`pinnable`); "simultaneous" also needs a machine two
-        servers share fairly (a CPU, not one GPU)."""
+        servers share fairly."""
         return "sequential"
 
     def pinnable(self, roots: set[str]) -> bool:
@@ -99,8 +99,9 @@ class Target:
         return True
 
     def fills_once(self) -> bool:
-        """Whether a coresident pair's servers are filled once and measured in turns (orchestrator/turns.py):
-        their server pauses with its requests kept (`POST /pause?mode=keep`, `POST /resume`)."""
+        """Whether a coresident or simultaneous pair's servers are filled once and measured in turns
+        (orchestrator/turns.py): their server pauses with its requests kept (`POST /pause?mode=keep`,
+        `POST /resume`)."""
         return False
 
     def sleep_paths(self) -> tuple[str, str] | None:

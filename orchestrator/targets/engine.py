@@ -56,6 +56,7 @@ LIVE_PROMPT_LENGTHS = (1, 7, 16, 17, 33, 64, 150, 300, 601, 640, 700, 730, 777, 
 # Each of two servers living side by side on one GPU sizes its KV cache at this, not at a share of the card:
 # 16 GiB holds 800,000 tokens at 4 of the hybrid model's 40 layers, 80,000 at all 40.
 CORESIDENT_KV_MEMORY = 16 << 30
+SIDE_BY_SIDE = ("coresident", "simultaneous")  # pairings whose two servers are alive at once
 
 
 # glibc's allocator on a CPU, fixed: freed memory up to 32 MiB a block is kept and reused, not unmapped and
@@ -85,12 +86,14 @@ class EngineTargetConfig(TargetConfig):
     # simultaneous (both servers on one core, interleaved by the OS every few milliseconds, so both see the
     # same machine, where the cores' speed drifts by 10-20% within seconds); on a GPU coresident (both
     # servers alive on the card, each with a KV cache of `coresident_kv_memory`, sampled one after the other).
+    # simultaneous on a GPU: both servers on the card with that KV cache and on one core, their windows taken at
+    # once, so that the host's drift (a virtual machine's neighbours, a step that waits on its launches) is shared.
     arms: Literal["auto", "sequential", "coresident", "simultaneous"] = "auto"
     simultaneous_arms: bool | None = None  # older spelling: true is arms: simultaneous, false arms: sequential
     coresident_kv_memory: int = Field(CORESIDENT_KV_MEMORY, ge=1 << 20)
-    # Coresident servers filled once, each sample a window of its steady state taken up again from a pause
-    # (orchestrator/turns.py), instead of a fill from idle per sample. Default: where the pairing is coresident on
-    # a GPU.
+    # Side-by-side servers (coresident or simultaneous) filled once, each sample a window of its steady state
+    # taken up again from a pause (orchestrator/turns.py), instead of a fill from idle per sample. Default: on a
+    # GPU.
     fill_once: bool | None = None
     kernel_checks: Literal["full", "small", "none"] | None = None  # default: small on CPU, full on GPU
     # engines: the correctness probe runs engines of its own, exact against a float64 reference (needs the
@@ -261,11 +264,11 @@ class EngineTarget(Target):
         """An unstarted engine server of the workspace's serve config (a free port on 127.0.0.1), its log
         kept under the state folder (the engine reads its serve config and loads its code at start, so it
         serves that state however the workspace changes afterwards). Beside a simultaneous arm it is pinned to
-        the one core both share; beside a co-resident one on a GPU its KV cache is `coresident_kv_memory`."""
+        the one core both share; beside another on a GPU its KV cache is `coresident_kv_memory`."""
         argv = engine_server_argv(str(self.workspace / SERVE_CONFIG))
         if beside == "simultaneous" and (cpu := shared_cpu()) is not None:
             argv += ["--cpu-affinity", str(cpu)]
-        if beside == "coresident" and self.on_gpu():
+        if beside in SIDE_BY_SIDE and self.on_gpu():
             argv += ["--kv-cache-memory", str(self.config.coresident_kv_memory)]
         return LiveServer(argv, env=env, log_dir=self.server_logs, log_label=label)
 
@@ -278,14 +281,12 @@ class EngineTarget(Target):
         arms = self.config.arms
         if arms == "auto":
             return "coresident" if self.on_gpu() else "simultaneous"
-        if arms == "simultaneous" and self.on_gpu():
-            return "coresident"  # one card: two servers would each slow the other by its own load
         return arms
 
     def fills_once(self) -> bool:
         if self.config.fill_once is not None:
-            return self.config.fill_once and self.pairing() == "coresident"
-        return self.pairing() == "coresident" and self.on_gpu()
+            return self.config.fill_once and self.pairing() in SIDE_BY_SIDE
+        return self.pairing() in SIDE_BY_SIDE and self.on_gpu()
 
     def memory_keys(self) -> frozenset[str]:
         return frozenset({"gpu-memory-utilization", "kv-cache-memory"}) if self.on_gpu() else frozenset()

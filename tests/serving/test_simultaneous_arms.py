@@ -82,7 +82,7 @@ def test_the_pairing_is_simultaneous_on_a_cpu_coresident_on_a_gpu_and_as_the_con
     (tmp_path / "plugins").mkdir()
     cases = [("auto", "cpu", "simultaneous"), ("sequential", "cpu", "sequential"), ("coresident", "cpu", "coresident"),
              ("simultaneous", "cpu", "simultaneous"), ("auto", "cuda", "coresident"),
-             ("simultaneous", "cuda", "coresident"), ("sequential", "cuda", "sequential")]
+             ("simultaneous", "cuda", "simultaneous"), ("sequential", "cuda", "sequential")]
     for arms, device, expected in cases:
         (tmp_path / "orchestrator.yaml").write_text(STAGED_CONFIG.format(arms=arms).replace("device: cpu",
                                                                                             f"device: {device}"))
@@ -100,6 +100,18 @@ def test_the_pairing_is_simultaneous_on_a_cpu_coresident_on_a_gpu_and_as_the_con
     assert argv[argv.index("--kv-cache-memory") + 1] == str(16 << 30)
     assert "--kv-cache-memory" not in target.live_server().argv
     assert target.memory_keys() == {"gpu-memory-utilization", "kv-cache-memory"}
+    assert target.fills_once()
+    # simultaneous on a GPU: the same fixed share, and (given two cores) both servers on the shared one
+    (tmp_path / "orchestrator.yaml").write_text(gpu.replace("arms: auto", "arms: simultaneous"))
+    target = load(tmp_path / "orchestrator.yaml").target
+    argv = target.live_server(beside="simultaneous").argv
+    assert argv[argv.index("--kv-cache-memory") + 1] == str(16 << 30)
+    if len(os.sched_getaffinity(0)) > 1:
+        assert argv[argv.index("--cpu-affinity") + 1] == str(min(os.sched_getaffinity(0)))
+    assert target.fills_once()
+    # on a CPU the simultaneous servers fill from idle for every sample unless the config says otherwise
+    (tmp_path / "orchestrator.yaml").write_text(STAGED_CONFIG.format(arms="simultaneous"))
+    assert not load(tmp_path / "orchestrator.yaml").target.fills_once()
 
 
 def test_coresident_servers_live_through_the_whole_decision_and_the_kept_one_serves_the_next(tmp_path):

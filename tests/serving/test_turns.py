@@ -1,15 +1,19 @@
 """A server filled once and measured in turns: the serving probe's `--turns` mode against the real engine server
-(paused between windows with its requests kept), and the GPU run's coresident flow on a CPU with `fill_once`,
-through the real CLI: one driver per server life, each sample a window of it, nothing left running."""
+(paused between windows with its requests kept), and the GPU run's coresident and simultaneous flows on a CPU with
+`fill_once`, through the real CLI: one driver per server life, each sample a window of it, nothing left running."""
 from __future__ import annotations
 
 import json
 import subprocess
 import time
+from collections import namedtuple
 
 import httpx
+import psutil
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator.probes.client import host_load
 from serving_support import PY, REPO, alive_with, env, query, start_server, write_config
 from test_live_flow import CONFIG, stage
 
@@ -62,10 +66,23 @@ def test_a_server_filled_once_gives_one_window_per_turn_and_waits_paused_between
         for w in windows:
             assert "error" not in w and w["steady_state"] and w["duration"] == 1.0 and w["total_output_tokens"] > 0
             assert w["score"] > 0 and w["tokens_source"] == "server" and w["server_steps"] > 0
+            # the machine's load over the window: at least the server's core busy, no more cores than there are
+            assert 0 <= w["host_steal"] <= 1 and 0.5 < w["host_busy_cores"] <= psutil.cpu_count(), w
+        assert [w["window_started"] for w in windows] == sorted(w["window_started"] for w in windows)
         # the fill is told once, with the first window; the later ones took up the steady state where it was left
         assert windows[0]["fill_prefilled"] == fill["fill_prefilled"] and "fill_seconds" not in windows[1]
     finally:
         server.stop()
+
+
+def test_the_host_load_of_a_window_counts_busy_cores_and_the_hypervisors_share():
+    times = namedtuple("scputimes", "user nice system idle iowait irq softirq steal guest guest_nice")
+    before = times(100, 0, 50, 1000, 10, 0, 0, 5, 0, 0)
+    # 10 s on 4 cores = 40 s: 12 user + 3 system + 2 softirq busy, 18 idle + 1 iowait, 4 stolen
+    after = times(112, 0, 53, 1018, 11, 0, 2, 9, 3, 0)
+    load = host_load(before, after, 10.0)
+    assert load == pytest.approx({"host_busy_cores": 1.7, "host_steal": 0.1})
+    assert host_load(None, after, 10.0) == {} and host_load(before, before, 10.0) == {}
 
 
 def test_a_driver_given_a_word_it_does_not_know_says_so_and_leaves_the_server_running(tmp_path):
@@ -119,3 +136,30 @@ def test_the_gpu_flow_fills_each_server_once_and_samples_it_in_turns(tmp_path):
                                               for s in servers.values()), (d, servers)
     assert alive_with(str(tmp_path)) == []
     assert query(tmp_path, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
+
+
+def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_seconds(tmp_path):
+    """The GPU's simultaneous flow on a CPU (`arms: simultaneous`, `fill_once`): each server filled once by its
+    driver, both drivers asked for a window at once, so that both windows of a pair cover the same seconds; a
+    fresh pair of servers serves a warm-up pair first."""
+    config = CONFIG.replace("  arms: coresident\n", "  arms: simultaneous\n  fill_once: true\n")
+    stage(tmp_path, config)
+    steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
+    assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
+    [calibration] = query(tmp_path, "SELECT * FROM calibrations")
+    assert calibration["pairing"] == "simultaneous"
+    samples = query(tmp_path, "SELECT * FROM measurements WHERE probe = 'serving' ORDER BY id")
+    assert samples and all(s["ok"] for s in samples)
+    pairs: dict[tuple, dict[str, dict]] = {}
+    for s in samples:
+        metrics = json.loads(s["metrics"])
+        assert "turn" in metrics and 0 <= metrics["host_steal"] <= 1 and metrics["host_busy_cores"] > 0, metrics
+        side = s["arm"].replace(" warm-up", "")
+        pairs.setdefault((s["step_id"], s["repeat"], s["arm"].endswith("warm-up")), {})[side] = metrics
+    judged = [p for (_, _, warm_up), p in pairs.items() if not warm_up and set(p) == {"baseline", "candidate"}]
+    assert len(judged) >= 4 and any(warm_up for _, _, warm_up in pairs), sorted(pairs)
+    for p in judged:  # asked at once: the windows (1.5 s each) start within a fraction of one
+        assert abs(p["baseline"]["window_started"] - p["candidate"]["window_started"]) < 0.5, p
+    drivers = [p for p in query(tmp_path, "SELECT * FROM processes") if p["what"] == "probe serving (turns)"]
+    assert len(drivers) == sum(w["turn"] == 0 for p in pairs.values() for w in p.values())
+    assert alive_with(str(tmp_path)) == []
