@@ -4,6 +4,7 @@ one; else the server of the state on disk, started on demand); any other runs wi
 alive. The caller puts states on disk; this module never changes the target."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -256,9 +257,18 @@ class Prober:
                 out = self.server_failed(spec, e, step_id, label, repeat, time.monotonic() - started)
                 raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}",
                                 spec, out) from None
-            on_start = self.run.recorder(step_id)
-            turns = Turns([*command, "--turns"], self.run.project.base_dir, env, spec.timeout,
-                          on_start=lambda pid, ct: on_start(f"probe {spec.name} (turns)", pid, ct),
+            record = self.run.recorder(step_id)
+            # a simultaneous server's core is the two servers' alone: its driver runs on the others
+            cpus = self.run.project.target.probe_cpus() if server.pinned == "simultaneous" else None
+
+            def on_start(pid: int, create_time: float):
+                if cpus:
+                    try:  # just started: one thread, whose later ones inherit this
+                        os.sched_setaffinity(pid, cpus)
+                    except OSError:
+                        pass
+                return record(f"probe {spec.name} (turns)", pid, create_time)
+            turns = Turns([*command, "--turns"], self.run.project.base_dir, env, spec.timeout, on_start=on_start,
                           on_tick=self.run.tick, tmp_dir=self.run.tmp)
             if turns.failed is not None:
                 out = self.judged(spec, turns.failed, step_id, label, repeat, server)
