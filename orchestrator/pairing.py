@@ -26,7 +26,6 @@ arms, so that the servers' start effects, which no pair cancels, vary between bl
 """
 from __future__ import annotations
 
-import os
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from orchestrator.context import RunContext
 from orchestrator.noise import Noise, pairs_per_start
 from orchestrator.policy import MAX_SAMPLES, Policy
 from orchestrator.prober import START_AT_ENV, WARMUP_ENV, Arm, ArmFailed, Prober, Sample, Verdict, failure
-from orchestrator.probes.runner import ProbeResult, ProcessResult, kill_group, run_process
+from orchestrator.probes.runner import ProbeResult, ProcessResult, confine, kill_group, run_process
 from orchestrator.state_server import StateServer
 
 SIMULTANEOUS_LEAD = 3.0  # seconds from starting a simultaneous pair's probes to their common window
@@ -239,11 +238,7 @@ class Together(Pairing):
 
         def launch(arm: str, command: list[str], env: dict[str, str]) -> ProcessResult:
             def on_start(pid: int, create_time: float):
-                if cpus:
-                    try:  # just started: one thread, whose later ones inherit this
-                        os.sched_setaffinity(pid, cpus)
-                    except OSError:
-                        pass
+                confine(pid, cpus)
                 events.put(("start", arm, pid, create_time))
                 return lambda: events.put(("end", arm, None, None))
             return run_process(command, self.run.project.base_dir, env, spec.timeout, on_start=on_start,

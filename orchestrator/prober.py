@@ -4,7 +4,6 @@ one; else the server of the state on disk, started on demand); any other runs wi
 alive. The caller puts states on disk; this module never changes the target."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -13,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.plugin import NUMERICS_ENV, Plugin, numerics_env
-from orchestrator.probes.runner import ProbeResult, ProcessResult, judge_output, run_process
+from orchestrator.probes.runner import ProbeResult, ProcessResult, confine, judge_output, run_process
 from orchestrator.state_server import ServerFailed, StateServer, hush
 from orchestrator.store import dumps
 from orchestrator.turns import Turns
@@ -262,11 +261,7 @@ class Prober:
             cpus = self.run.project.target.probe_cpus() if server.pinned == "simultaneous" else None
 
             def on_start(pid: int, create_time: float):
-                if cpus:
-                    try:  # just started: one thread, whose later ones inherit this
-                        os.sched_setaffinity(pid, cpus)
-                    except OSError:
-                        pass
+                confine(pid, cpus)
                 return record(f"probe {spec.name} (turns)", pid, create_time)
             turns = Turns([*command, "--turns"], self.run.project.base_dir, env, spec.timeout, on_start=on_start,
                           on_tick=self.run.tick, tmp_dir=self.run.tmp)

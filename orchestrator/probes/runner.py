@@ -147,6 +147,16 @@ def _tail(path: Path) -> str:
         return f.read().decode("utf-8", "replace")
 
 
+def confine(pid: int, cpus: set[int] | None) -> None:
+    """A process just started (one thread so far, whose later ones inherit this) on `cpus` only; nothing where
+    `cpus` is empty or the affinity cannot be set."""
+    if cpus:
+        try:
+            os.sched_setaffinity(pid, cpus)
+        except OSError:
+            pass
+
+
 def kill_group(pid: int, pgid: int | None = None, create_time: float | None = None) -> bool:
     """Kill a process, its process group and every descendant (including ones that left the group); whether the
     process was there to kill."""
