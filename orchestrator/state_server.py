@@ -207,9 +207,9 @@ class StateServer:
 
     @property
     def fills_once(self) -> bool:
-        """Whether its samples are windows of one fill (orchestrator/turns.py): a coresident or simultaneous server
-        of a target that fills once."""
-        return self.pinned in ("coresident", "simultaneous") and self.target.fills_once()
+        """Whether its samples are windows of one fill (orchestrator/turns.py): a pinned server (one of two side by
+        side) of a target that fills once."""
+        return self.pinned is not None and self.target.fills_once()
 
     def end_turns(self) -> None:
         """Stop its serving driver, if any (the server resumed)."""
