@@ -111,6 +111,27 @@ def test_engine_flags_are_refused_with_a_users_config(tmp_path):
     assert load(cwd=tmp_path / "nowhere", engine={"device": "cpu"}).target.kind == "engine"
 
 
+def test_the_arms_flag_names_its_field_when_wrong_and_writes_nothing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+
+    def calibrate(folder, *args):
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "calibrate", *args], cwd=folder, env=env,
+                              capture_output=True, text=True, timeout=120)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    proc = calibrate(bare, "--device", "cpu", "--arms", "sideways")
+    assert proc.returncode != 0 and "target.arms" in proc.stderr and "simultaneous" in proc.stderr, proc.stderr
+    assert list(bare.iterdir()) == []
+    own = tmp_path / "own"
+    own.mkdir()
+    text = "target: {kind: files, root: t}\n"
+    (own / "orchestrator.yaml").write_text(text)
+    proc = calibrate(own, "--arms", "simultaneous")
+    assert proc.returncode != 0 and "--arms apply to the embedded default only" in proc.stderr, proc.stderr
+    assert [p.name for p in own.iterdir()] == ["orchestrator.yaml"]
+    assert (own / "orchestrator.yaml").read_bytes() == text.encode()
+
+
 def test_target_variables_and_params_are_substituted(tmp_path):
     from orchestrator.plugin import load_plugin
     folder = tmp_path / "p"
