@@ -105,6 +105,10 @@ class EngineConfig:
     gdn_prefill: VariantChain = _key(VariantChain, "chunk")  # Gated DeltaNet layers (hybrid models only)
     gdn_decode: VariantChain = _key(VariantChain, "recurrent")
     gdn_fused: VariantChain = _key(VariantChain, "torch")  # their convolution, gates and gated norm
+    # their recurrent state's dtype (vLLM's option): auto is what the model declares (Qwen3.6: float32), else the
+    # model's dtype. A decode step reads and writes every running sequence's state in every such layer: Qwen3.6's
+    # 2 MiB a sequence and layer in float32 make 25 GB a step at 200 sequences, against 68 GB of expert weights
+    mamba_ssm_cache_dtype: str = _key(DTYPES, "auto")
     rms_norm: VariantChain = _key(VariantChain, "torch")  # residual add + RMSNorm
     qk_norm_rope: VariantChain = _key(VariantChain, "torch")  # per-head q/k RMSNorm + rotary embedding
     cuda_graphs: bool = _key(bool, True)  # decode steps replayed from CUDA graphs; ignored on the CPU
@@ -174,6 +178,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def state_dtype(self):
+        """The Gated DeltaNet recurrent state's torch dtype (``mamba-ssm-cache-dtype``)."""
+        import torch
+
+        name = self.mamba_ssm_cache_dtype if self.mamba_ssm_cache_dtype != "auto" else self.hf.mamba_ssm_dtype
+        return getattr(torch, name) if name else self.torch_dtype()
 
     def error(self, key: str, message: str) -> ConfigError:
         return ConfigError(self._source, key, message)

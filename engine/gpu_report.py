@@ -737,10 +737,10 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, rule in _RULES if rule.search(name)), REST)
 
 
-def decode_floors(cfg, batch: int, context: float, elt: int) -> dict[str, tuple[float, float]]:
+def decode_floors(cfg, batch: int, context: float, elt: int, state_elt: int) -> dict[str, tuple[float, float]]:
     """(bytes, FLOPs) each class must move and compute in one decode step of ``batch`` sequences of
     ``context`` tokens (the new one included) of model ``cfg`` (a ``ModelConfig``), weights and
-    activations of ``elt`` bytes, float32 recurrent states: what no kernel avoids, so that the time
+    activations of ``elt`` bytes, recurrent states of ``state_elt`` bytes: what no kernel avoids, so that the time
     a class takes above its floor is what is left to win.
 
     - MoE GEMMs: the experts the tokens hit, whole (top-k of E: E (1 - (1 - k/E)^B) expected) and a
@@ -766,7 +766,7 @@ def decode_floors(cfg, batch: int, context: float, elt: int) -> dict[str, tuple[
     gemms = ([(e + folded, h)] * n + [(2 * shared, h), (h, shared), (1, h)] * (n if shared and not folded else 0)
              + [(heads * d * (2 if cfg.attn_output_gate else 1) + 2 * kv * d, h), (h, heads * d)] * n_attn
              + [(in_proj, h), (h, values)] * n_gdn + [(cfg.vocab_size, h)])  # (out, in)
-    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_elt
     conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elt
     return {
         MOE_GEMMS: (n * (experts * 3 * h * inter + 2 * b * h) * elt, n * 2 * pairs * 3 * h * inter),
@@ -830,7 +830,9 @@ def section_profile(args, copy_gbps: float, mm_tflops: float) -> None:
     z, cuda = args.sizes, args.device == "cuda"
     engine = LLMEngine({**_engine_config(args), "cuda-graphs": False})
     cfg, elt = engine.config.hf, torch.empty((), dtype=engine.model_runner.dtype).element_size()
+    state_elt = torch.empty((), dtype=engine.config.state_dtype()).element_size()
     out = dict(model=engine.config.model, layers=cfg.num_layers, kernel_choice=engine.kernel_choice,
+               state_dtype=str(engine.config.state_dtype()).removeprefix("torch."),
                copy_gbps=copy_gbps, matmul_tflops=mm_tflops, steps=z.profile_steps, batches=[])
     for batch in z.profile_batches:
         _steady_decode(engine, batch - len(engine.scheduler.running), z.prompt_len, seed=30 + batch)
@@ -838,7 +840,7 @@ def section_profile(args, copy_gbps: float, mm_tflops: float) -> None:
         running = engine.scheduler.running
         b, context = len(running), sum(s.num_computed_tokens + 1 for s in running) / len(running)
         kernels = _profile_decode(engine, z.profile_steps)
-        floors = floor_ms(decode_floors(cfg, b, context, elt), copy_gbps, mm_tflops)
+        floors = floor_ms(decode_floors(cfg, b, context, elt, state_elt), copy_gbps, mm_tflops)
         rows = class_rows([(name, us) for name, _, us in kernels], z.profile_steps, floors)
         kernel_ms = sum(r["ms"] for r in rows)
         busy = _busy_us([(t, t + us) for _, t, us in kernels]) / 1e3 / z.profile_steps if cuda else kernel_ms

@@ -12,6 +12,7 @@ from pathlib import Path
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def every_nth_full(num_layers: int, interval: int) -> tuple[str, ...]:
@@ -47,6 +48,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # the dtype the model keeps its Gated DeltaNet recurrent state in (config.json's ``mamba_ssm_dtype``:
+    # float32 for Qwen3.5 and 3.6, whose accuracy was tuned so); None: the model's own dtype
+    mamba_ssm_dtype: str | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -103,10 +107,11 @@ class ModelConfig:
         """Only full-attention layers keep K and V per token."""
         return 2 * self.num_attention_layers * self.num_kv_heads * self.head_size * element_size
 
-    def state_bytes_per_sequence(self, element_size: int) -> int:
+    def state_bytes_per_sequence(self, element_size: int, state_size: int) -> int:
         """What one running sequence holds in the Gated DeltaNet layers, whatever its length: the
-        float32 recurrent state [value heads, K, V] and the convolution's last kernel - 1 inputs."""
-        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        recurrent state [value heads, K, V] of ``state_size``-byte elements and the convolution's last
+        kernel - 1 inputs."""
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * state_size
         conv = self.linear_conv_dim * (self.linear_conv_kernel_dim - 1) * element_size
         return self.num_linear_layers * (recurrent + conv)
 
@@ -125,6 +130,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts=8, top_k=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         partial_rotary_factor=0.25, max_position_embeddings=4096, layer_types=every_nth_full(4, 4),
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        mamba_ssm_dtype="float32",
     ),
     "small": ModelConfig(
         vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_size=64,
@@ -139,7 +145,7 @@ PRESETS: dict[str, ModelConfig] = {
         shared_expert_intermediate_size=512, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
         max_position_embeddings=262_144, layer_types=every_nth_full(40, 4),
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
+        linear_conv_kernel_dim=4, mamba_ssm_dtype="float32",
     ),
     # The same dimensions with every layer full attention: the engine's model before it had Gated
     # DeltaNet layers, kept to compare against (4x the KV cache per token).
@@ -213,7 +219,11 @@ def from_hf_config(path: Path) -> ModelConfig:
         if isinstance(value, bool) != flag or not isinstance(value, (int, float)):
             raise ModelConfigError("model", f"{path}: {key} must be a {'boolean' if flag else 'number'}, got {value!r}")
     fields["layer_types"] = _hf_layer_types(raw, path)
-    return ModelConfig(**fields)
+    ssm = raw.get("mamba_ssm_dtype")
+    if ssm is not None and ssm not in STATE_DTYPES:
+        raise ModelConfigError("model", f"{path}: mamba_ssm_dtype must be one of {', '.join(STATE_DTYPES)}, "
+                                        f"got {ssm!r}")
+    return ModelConfig(**fields, mamba_ssm_dtype=ssm)
 
 
 def _hf_layer_types(raw: dict, path: Path) -> tuple[str, ...] | None:

@@ -77,7 +77,8 @@ class ModelRunner:
         # of static decode steps, allocated before the KV cache is sized
         self.num_state_slots = config.max_num_seqs if self.linear_layers else 0
         self.scratch_state_slot = self.num_state_slots if self.linear_layers else None
-        state_bytes = allocate_states(self.linear_layers, self.num_state_slots + 1, self.dtype, self.device) \
+        state_bytes = allocate_states(self.linear_layers, self.num_state_slots + 1, self.dtype, config.state_dtype(),
+                                      self.device) \
             if self.linear_layers else 0
         if self.linear_layers:
             log.info("Gated DeltaNet state: %d slots and a scratch one (%.2f GiB)", self.num_state_slots,

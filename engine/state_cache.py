@@ -1,10 +1,11 @@
 """The Gated DeltaNet layers' per-sequence state: one fixed-size slot per running sequence.
 
-Unlike attention's KV cache, which grows a block at a time with the sequence, a linear-attention
-layer summarises everything before it in a state of fixed size: the float32 recurrent state
-[value heads, K, V] and the short convolution's last ``kernel - 1`` inputs. So a sequence holds one
-slot (of ``max-num-seqs``) from admission to finish or preemption, whatever its length; a slot is
-zeroed when its sequence computes its first token, so a preempted sequence recomputes from scratch.
+Unlike attention's KV cache, which grows a block at a time with the sequence, a linear-attention layer
+summarises everything before it in a state of fixed size: the recurrent state [value heads, K, V] (in
+``mamba-ssm-cache-dtype``: float32 for Qwen3.6 unless the serve config says otherwise) and the short
+convolution's last ``kernel - 1`` inputs. So a sequence holds one slot (of ``max-num-seqs``) from
+admission to finish or preemption, whatever its length; a slot is zeroed when its sequence computes its
+first token, so a preempted sequence recomputes from scratch.
 
 The scheduler owns which sequence has which slot (``StateSlots``); each layer owns its state
 tensors, which the model runner allocates once (one row past the slots the scheduler hands out is a
@@ -87,14 +88,16 @@ def decode_only(decode_slots: torch.Tensor) -> StateMetadata:
                          prefill_cu_seqlens=None, fresh_slots=None)
 
 
-def allocate_states(layers, num_slots: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Give every Gated DeltaNet layer zeroed state for ``num_slots`` sequences; returns the bytes."""
+def allocate_states(layers, num_slots: int, dtype: torch.dtype, state_dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """Give every Gated DeltaNet layer zeroed state for ``num_slots`` sequences: the convolution's in the model's
+    ``dtype``, the recurrent one in ``state_dtype``; returns the bytes."""
     total = 0
     for layer in layers:
         layer.conv_state = layer.ssm_state = None
     for layer in layers:
         layer.conv_state = torch.zeros(num_slots, layer.conv_dim, layer.kernel_size - 1, dtype=dtype, device=device)
         layer.ssm_state = torch.zeros(num_slots, layer.num_v_heads, layer.head_k, layer.head_v,
-                                      dtype=torch.float32, device=device)
-        total += layer.conv_state.numel() * layer.conv_state.element_size() + layer.ssm_state.numel() * 4
+                                      dtype=state_dtype, device=device)
+        total += sum(t.numel() * t.element_size() for t in (layer.conv_state, layer.ssm_state))
     return total

@@ -66,13 +66,14 @@ def moe_workload(tokens=256, dtype=torch.bfloat16, device="cuda", **shape):
     return args, nbytes, flops
 
 
-def gdn_workload(batch=256, new_tokens=1, dtype=torch.bfloat16, device="cuda", **shape):
+def gdn_workload(batch=256, new_tokens=1, dtype=torch.bfloat16, device="cuda", narrow_state=False, **shape):
     """As the engine calls the op: ``new_tokens`` 1 is one decode step of ``batch`` sequences
-    ([batch, 1]), more is a packed prefill; states are float32 in a slot pool, updated in place.
-    The bytes are the floor: q, k, v, g, beta read, o written, each state read and written once."""
+    ([batch, 1]), more is a packed prefill; states in a slot pool, updated in place, float32 (or with
+    ``narrow_state`` in ``dtype``, as ``mamba-ssm-cache-dtype: bfloat16`` keeps them). The bytes are the
+    floor: q, k, v, g, beta read, o written, each state read and written once."""
     shape = {**GDN, **shape}
     args = inputs.gated_delta_rule([new_tokens] * batch, packed=new_tokens > 1, slots=True, dtype=dtype,
-                                   device=device, **shape)
+                                   device=device, narrow_state=narrow_state, **shape)
     tensors = ("q", "k", "v", "g", "beta")
     state = batch * shape["num_heads"] * shape["head_k"] * shape["head_v"] * args["initial_state"].element_size()
     nbytes = sum(_size(args[k]) for k in tensors) + _size(args["v"]) + 2 * state

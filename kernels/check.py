@@ -5,11 +5,11 @@
 Every call draws fresh random inputs over a shape list that holds the edges where kernels break
 (partition boundaries, partial blocks, empty contexts, experts with no token, shared experts, GQA 4
 and 8, head sizes 128 and 256, partial rotary; for the gated delta rule: packed sequences across
-chunk edges, states updated in place by slot with the other slots untouched, and a prefill
-continued by decode steps from its carried state; for the Gated DeltaNet layer's convolution, a
-decode step and packed prefills with sequences shorter than its state, by slot likewise; its gates
-past both tails of the softplus; its gated norm on a strided gate). The last stdout line is one
-JSON object: passed, worst error, where it occurred.
+chunk edges, states updated in place by slot with the other slots untouched (float32 and, in a
+16-bit check, 16-bit state pools), and a prefill continued by decode steps from its carried state;
+for the Gated DeltaNet layer's convolution, a decode step and packed prefills with sequences shorter
+than its state, by slot likewise; its gates past both tails of the softplus; its gated norm on a
+strided gate). The last stdout line is one JSON object: passed, worst error, where it occurred.
 """
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ FULL = {
         dict(seq_lens=[128, 128], num_heads=4, head_k=128, head_v=128, l2norm=False, initial_state=False),
         dict(seq_lens=[1] * 6, num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True),  # Qwen3.6 decode
         dict(seq_lens=[200, 3, 129], num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True),
+        # the same in a state pool of the inputs' dtype (16-bit in a bf16 or fp16 check)
+        dict(seq_lens=[1] * 6, num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True, narrow_state=True),
+        dict(seq_lens=[200, 3, 129], num_heads=32, num_k_heads=16, head_k=128, head_v=128, slots=True,
+             narrow_state=True),
         dict(seq_lens=[70, 70], num_heads=4, num_k_heads=2, head_k=32, head_v=64, split=64),
     ],
     "moe": [
@@ -105,6 +109,8 @@ SMALL = {
     "gated_delta_rule": [
         dict(seq_lens=[20, 1, 70], num_heads=4, num_k_heads=2, head_k=16, head_v=32),
         dict(seq_lens=[1] * 3, num_heads=4, num_k_heads=2, head_k=32, head_v=32, slots=True),
+        dict(seq_lens=[1] * 3, num_heads=4, num_k_heads=2, head_k=32, head_v=32, slots=True, narrow_state=True),
+        dict(seq_lens=[9, 1, 20], num_heads=4, num_k_heads=2, head_k=16, head_v=32, slots=True, narrow_state=True),
         dict(seq_lens=[17, 17], num_heads=2, head_k=16, head_v=16, split=14),
     ],
     "moe": [

@@ -8,9 +8,10 @@
    untouched, a prefill continued by decode steps), plus the engine's own shapes: a decode step of
    256 sequences and a packed prefill, Qwen3.6-35B-A3B's 32 value / 16 key heads of 128.
 2. The card's copy bandwidth (read + write), which sets each floor.
-3. Decode: one step of ``batch`` sequences as the engine runs it (``[batch, 1]``, float32 states in a
-   slot pool, updated in place). Its floor is the state bytes read and written (32 x 128 x 128 x 4
-   bytes each way per sequence and layer) plus q, k, v, g, beta and o.
+3. Decode: one step of ``batch`` sequences as the engine runs it (``[batch, 1]``, states in a slot
+   pool, updated in place: float32, and in a 16-bit run also 16-bit as ``mamba-ssm-cache-dtype: bfloat16``
+   keeps them). Its floor is the state bytes read and written (32 x 128 x 128 x 4 bytes each way per
+   sequence and layer in float32) plus q, k, v, g, beta and o.
 4. Prefill: packed sequences; the floor is the same bytes (inputs, output, states once).
 5. Where a chunked prefill spends its GPU time, kernel by kernel (torch.profiler).
 6. Launch parameters of the two Triton kernels, best first (``triton_chunk``: chunk, value block,
@@ -49,8 +50,9 @@ class Setup:
         self.prefills = [(2, 40)] if small else [(1, 8192)] if quick else [(1, 8192), (8, 1024), (32, 1000)]
         self.tuning_prefill = (2, 40) if small else (8, 1024)
 
-    def workload(self, batch: int, tokens: int):
-        return bench.gdn_workload(batch=batch, new_tokens=tokens, dtype=self.dtype, device=self.device, **self.dims)
+    def workload(self, batch: int, tokens: int, narrow_state: bool = False):
+        return bench.gdn_workload(batch=batch, new_tokens=tokens, dtype=self.dtype, device=self.device,
+                                  narrow_state=narrow_state, **self.dims)
 
     def time(self, fn) -> float | None:
         """Median ms, or None when the variant fails here (the reason is printed)."""
@@ -119,19 +121,23 @@ def correctness(rep: Report, setup: Setup, variants: list[str]) -> dict[str, boo
 
 def decode_table(rep: Report, setup: Setup, gbps: float, variants: list[str]) -> None:
     rows = []
+    widths = (False, True) if setup.dtype.itemsize < 4 else (False,)
     for batch in setup.decode_batches:
-        args, nbytes, _ = setup.workload(batch, 1)
-        floor_ms = nbytes / gbps / 1e6
-        row = [batch, nbytes / 2**20, floor_ms]
-        for v in variants:
-            fn = kernels.get(OP, v)
-            ms = setup.time(lambda: fn(**args))
-            rep.rows.append(dict(table="decode", batch=batch, variant=v, ms=ms, floor_ms=floor_ms))
-            row += [ms, f"{floor_ms / ms:.0%}" if ms else "n/a"]
-        rows.append(row)
-    rep.table(f"Decode step of one layer, {str(setup.dtype).removeprefix('torch.')} inputs, float32 states (floor: bytes at {gbps:.0f} GB/s copy; "
-              "% = floor / time); x 30 layers per token step",
-              ["batch", "MiB moved", "floor ms"] + [h for v in variants for h in (f"{v} ms", f"{v} % floor")], rows)
+        for narrow in widths:
+            args, nbytes, _ = setup.workload(batch, 1, narrow)
+            states = str(args["initial_state"].dtype).removeprefix("torch.")
+            floor_ms = nbytes / gbps / 1e6
+            row = [batch, states, nbytes / 2**20, floor_ms]
+            for v in variants:
+                fn = kernels.get(OP, v)
+                ms = setup.time(lambda: fn(**args))
+                rep.rows.append(dict(table="decode", batch=batch, states=states, variant=v, ms=ms, floor_ms=floor_ms))
+                row += [ms, f"{floor_ms / ms:.0%}" if ms else "n/a"]
+            rows.append(row)
+    rep.table(f"Decode step of one layer, {str(setup.dtype).removeprefix('torch.')} inputs (floor: bytes at "
+              f"{gbps:.0f} GB/s copy; % = floor / time); x 30 layers per token step",
+              ["batch", "states", "MiB moved", "floor ms"]
+              + [h for v in variants for h in (f"{v} ms", f"{v} % floor")], rows)
 
 
 def prefill_table(rep: Report, setup: Setup, gbps: float, variants: list[str]) -> None:

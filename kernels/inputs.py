@@ -136,12 +136,14 @@ def qk_norm_rope(tokens, num_heads=16, num_kv_heads=2, head_size=256, rotary_dim
 
 
 def gated_delta_rule(seq_lens, num_heads=4, num_k_heads=None, head_k=32, head_v=32, packed=None, l2norm=True,
-                     initial_state=True, slots=False, dtype=torch.float32, device="cpu", seed=None) -> dict:
+                     initial_state=True, slots=False, narrow_state=False, dtype=torch.float32, device="cpu",
+                     seed=None) -> dict:
     """Sequences of ``seq_lens`` tokens, packed along T (``cu_seqlens``) unless all have one length
     (then [B, T]; ``packed`` forces either). Decays range from fast to nearly none across heads, so a
     head remembers its state for a few to a few hundred tokens. ``l2norm``: normalised in the kernel
     (else q and k come normalised: the rule needs unit keys to stay stable). ``slots``: the states
-    live in a larger pool, in shuffled rows, and are updated in place there."""
+    live in a larger pool, in shuffled rows, and are updated in place there. The states are float32, or with
+    ``narrow_state`` in the inputs' dtype (an engine's ``mamba-ssm-cache-dtype: bfloat16``)."""
     gen = _generator(device, seed)
     hk = num_k_heads or num_heads
     packed = len(set(seq_lens)) > 1 if packed is None else packed
@@ -170,6 +172,8 @@ def gated_delta_rule(seq_lens, num_heads=4, num_k_heads=None, head_k=32, head_v=
         args["output_final_state"] = False
     elif initial_state:
         args["initial_state"] = rand(n, num_heads, head_k, head_v)
+    if narrow_state and args["initial_state"] is not None:
+        args["initial_state"] = args["initial_state"].to(dtype)
     return args
 
 

@@ -29,7 +29,7 @@ CONFIG=$PROJ/benchmarks/vllm_h200/orchestrator.yaml
 # source (0.34.0 lacks their anchors: not_applicable).
 declare -A PARTS=(
     [1]="max-num-seqs-256,max-batched-tokens-32k,moe-backend"
-    [2]="async-scheduling,fusion-qk-norm-rope,cudagraph-capture-size"
+    [2]="ssm-state-bf16,async-scheduling,fusion-qk-norm-rope,cudagraph-capture-size"
     [3]="api-server-count,stream-interval"
     [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
 )

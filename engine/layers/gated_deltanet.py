@@ -55,7 +55,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Parameter(torch.empty(h, self.value_dim))
         self.kernels = kernels
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1], set by the model runner
-        self.ssm_state: torch.Tensor | None = None  # [slots, value heads, K, V] float32
+        self.ssm_state: torch.Tensor | None = None  # [slots, value heads, K, V], mamba-ssm-cache-dtype
 
     @property
     def in_proj_qkvz(self) -> torch.Tensor:

@@ -47,7 +47,8 @@ def kv_cache_fits_engine(root: Path, serve_config: str, seqs: int, tokens: int) 
     weights = cfg.hf.num_params() * element
     # the engine allocates max-num-seqs state slots (and a scratch one for the padding rows of its decode
     # graphs) before it sizes the KV cache from what is left
-    states = (cfg.max_num_seqs + 1) * cfg.hf.state_bytes_per_sequence(element)
+    state_size = torch.empty((), dtype=cfg.state_dtype()).element_size()
+    states = (cfg.max_num_seqs + 1) * cfg.hf.state_bytes_per_sequence(element, state_size)
     return report(seqs, tokens, per_token, total * cfg.gpu_memory_utilization - weights - states,
                   f"{cfg.gpu_memory_utilization} x {total / GIB:.1f} GiB less {weights / GIB:.1f} GiB of weights "
                   f"and {states / GIB:.1f} GiB of linear-attention state slots")
@@ -114,14 +115,16 @@ def attention_layers(hf: dict) -> int:
 
 def state_bytes_per_sequence(hf: dict, options: dict) -> int:
     """Linear-attention (Gated DeltaNet) layers: the recurrent state [value heads, K, V] in
-    ``mamba_ssm_dtype`` (float32 by default) and the convolution's last kernel - 1 inputs."""
+    ``mamba-ssm-cache-dtype``, where auto is the model's ``mamba_ssm_dtype`` or else its cache dtype (vLLM's
+    rule), and the convolution's last kernel - 1 inputs."""
     linear = hf["num_hidden_layers"] - attention_layers(hf)
     if not linear or not hf.get("linear_num_value_heads"):
         return 0
     hv, dk, dv = hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
     conv_dim = 2 * hf["linear_num_key_heads"] * dk + hv * dv
-    ssm = DTYPE_BYTES.get(str(hf.get("mamba_ssm_dtype") or "float32"), 4)
     conv = DTYPE_BYTES.get(cache_dtype(hf, options), 2)
+    ssm_dtype = options.get("mamba-ssm-cache-dtype", "auto")
+    ssm = DTYPE_BYTES.get(str(hf.get("mamba_ssm_dtype") if ssm_dtype == "auto" else ssm_dtype), conv)
     return linear * (hv * dk * dv * ssm + conv_dim * (hf.get("linear_conv_kernel_dim", 4) - 1) * conv)
 
 

@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import ConfigError, load_config
 from engine.model_config import PRESETS
@@ -49,6 +50,7 @@ def test_a_file_and_a_dict_give_the_same_config(tmp_path):
     ("max-model-len: 100000\n", "max-model-len", "max_position_embeddings"),
     ("stream-interval: 0\n", "stream-interval", "greater than or equal to 1"),
     ("stream-interval: 2.5\n", "stream-interval", "valid integer"),
+    ("mamba-ssm-cache-dtype: fp8\n", "mamba-ssm-cache-dtype", "float32"),
 ])
 def test_bad_values_name_the_file_and_the_key(tmp_path, text, key, words):
     path = write(tmp_path, "model: tiny\n" + text)
@@ -89,7 +91,8 @@ def test_the_qwen_preset_is_described_without_allocating_weights():
     assert cfg.layer_kinds == ("linear_attention",) * 3 + ("full_attention",) + cfg.layer_kinds[4:]
     assert (cfg.num_attention_layers, cfg.num_linear_layers) == (10, 30)
     assert cfg.kv_bytes_per_token(2) == 20 * 1024  # 10 attention layers x K and V x 2 kv heads x 256 x 2 bytes
-    assert cfg.state_bytes_per_sequence(2) == 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)  # about 61 MiB
+    assert cfg.state_bytes_per_sequence(2, 4) == 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)  # about 61 MiB
+    assert cfg.state_bytes_per_sequence(2, 2) == 30 * (32 * 128 * 128 * 2 + 8192 * 3 * 2)  # bf16 states
     dense = load_config({"model": "qwen3.6-35b-a3b-dense"}).hf
     assert dense.kv_bytes_per_token(2) == 80 * 1024 and not dense.is_hybrid  # the seed's 80 KB per token
     eight = load_config({"model": "qwen3.6-35b-a3b", "num-layers": 8}).hf
@@ -112,6 +115,17 @@ QWEN36_TEXT = {
 }
 
 
+@pytest.mark.parametrize("model, key, want", [
+    ("qwen3.6-35b-a3b", "auto", torch.float32),  # what Qwen3.6's config.json declares, as vLLM reads it
+    ("qwen3.6-35b-a3b", "bfloat16", torch.bfloat16),
+    ("tiny-hybrid", "float16", torch.float16),
+    ("qwen3.6-35b-a3b-dense", "auto", torch.float16),  # declares none: the model's dtype
+])
+def test_the_recurrent_state_dtype_is_the_models_declared_one_unless_the_config_says(model, key, want):
+    cfg = load_config({"model": model, "dtype": "float16", "mamba-ssm-cache-dtype": key})
+    assert cfg.state_dtype() == want
+
+
 def test_the_real_config_json_gives_the_preset(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
@@ -128,6 +142,7 @@ def test_the_real_config_json_gives_the_preset(tmp_path):
     ({"full_attention_interval": 0, "layer_types": None}, "full_attention_interval must be a positive integer"),
     ({"linear_num_value_heads": 24}, "linear_num_value_heads 24 is not a multiple"),
     ({"linear_key_head_dim": None, "linear_num_key_heads": 0}, "linear_num_key_heads is 0"),
+    ({"mamba_ssm_dtype": "fp8"}, "mamba_ssm_dtype must be one of float32, float16, bfloat16"),
 ])
 def test_bad_hybrid_model_configs_are_named(tmp_path, change, words):
     text = {**QWEN36_TEXT, **change}

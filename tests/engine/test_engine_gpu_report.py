@@ -208,7 +208,7 @@ def test_decode_floors_by_hand_on_a_two_layer_model():
     """Batch 2, context 10, 2-byte elements; h 8, 4 experts of intermediate 4, top-2, a shared expert of
     the experts' size (folded: a fifth expert every token takes)."""
     g = gpu_report
-    floors = g.decode_floors(_floor_config(shared=4), batch=2, context=10, elt=2)
+    floors = g.decode_floors(_floor_config(shared=4), batch=2, context=10, elt=2, state_elt=4)
     # experts hit: 4 (1 - (1 - 2/4)^2) = 3, plus the shared one; 3 * 8 * 4 = 96 weights each; x in, out: 2 * 2 * 8
     # per layer; 2 tokens x 3 pairs x 3 * 8 * 4 multiply-adds per layer
     assert floors[g.MOE_GEMMS] == (2 * (4 * 96 + 32) * 2, 2 * 2 * 6 * 96)
@@ -225,9 +225,12 @@ def test_decode_floors_by_hand_on_a_two_layer_model():
     # (10, 8): 80 + 384 + 128 + 224 + 64 + 80 = 960 weights; inputs and outputs 2 * 13 + 56 + 24 + 36 + 16 + 18 a token
     assert floors[g.PROJECTIONS] == (960 * 2 + 2 * 176 * 2, 2 * 2 * 960)
     # without the shared expert: 3 experts per layer, 4 pairs per token pair, a 4-row router
-    floors = g.decode_floors(_floor_config(shared=0), batch=2, context=10, elt=2)
+    floors = g.decode_floors(_floor_config(shared=0), batch=2, context=10, elt=2, state_elt=4)
     assert floors[g.MOE_GEMMS] == (2 * (3 * 96 + 32) * 2, 2 * 2 * 4 * 96)
     assert floors[g.ROUTING] == (2 * (2 * 4 * 2 + 4 * 16), 0)
+    # a 16-bit recurrent state: 64 bytes read and written instead of 128, the rest of the layer as before
+    half = g.decode_floors(_floor_config(shared=0), batch=2, context=10, elt=2, state_elt=2)
+    assert half[g.GDN][0] == floors[g.GDN][0] - 2 * 2 * 64
 
 
 def test_floor_is_bytes_at_copy_bandwidth_or_flops_at_matmul_peak_whichever_is_longer():

@@ -84,6 +84,21 @@ def test_outputs_are_identical(expected, overrides):
     assert slots.num_free == llm.engine.model_runner.num_state_slots == llm.engine.config.max_num_seqs
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_recurrent_state_takes_half_the_memory_and_picks_the_same_tokens(expected, dtype):
+    """``mamba-ssm-cache-dtype``: the recurrent state pool in 16 bits (the convolution's stays in the model's
+    dtype), half its bytes; this model's logit margins (over 1e-2) are wider than the state's rounding."""
+    import torch
+
+    wide = LLM(hybrid()).engine.model_runner.linear_layers
+    llm = LLM(hybrid(**{"mamba-ssm-cache-dtype": dtype}))
+    layers = llm.engine.model_runner.linear_layers
+    assert all(layer.ssm_state.dtype == getattr(torch, dtype) and layer.conv_state.dtype == torch.float32
+               for layer in layers)
+    assert [2 * layer.ssm_state.nbytes for layer in layers] == [layer.ssm_state.nbytes for layer in wide]
+    assert llm.generate(PROMPTS, MAX_TOKENS) == expected[1]
+
+
 def test_preempted_sequences_recompute_their_state_from_scratch(expected):
     # 8 blocks of 16 (512 bytes a token: one attention layer) = one sequence of max-model-len 128
     llm = LLM(hybrid(**{"max-model-len": 128, "kv-cache-memory": 8 * 16 * 512}))

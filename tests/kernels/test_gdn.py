@@ -69,6 +69,23 @@ def test_state_dtype_and_none_without_output_final_state(variant):
     assert o.dtype == torch.float16 and final.dtype == torch.float32
 
 
+@pytest.mark.parametrize("variant,dtype", [(v, d) for v in VARIANTS for d in (torch.float16, torch.bfloat16)
+                                           if d == torch.float16 or v not in TRITON])
+def test_a_16_bit_state_pool_is_updated_in_place_in_its_dtype(variant, dtype):
+    """An engine with ``mamba-ssm-cache-dtype: bfloat16`` keeps its state pool in 16 bits: a prefill and a
+    decode step read their slots from it and write them back in it, within the dtype's tolerance of float64,
+    the other slots untouched (``check_slots``). Triton's interpreter runs fp16, not bf16."""
+    fn, ref = kernels.get(OP, variant), kernels.get(OP, "reference")
+    for lens in ([9, 1, 20], [1, 1, 1]):
+        args = inputs.gated_delta_rule(lens, num_heads=4, num_k_heads=2, head_k=16, head_v=16, slots=True,
+                                       narrow_state=True, dtype=dtype, seed=len(lens) + sum(lens))
+        pool, before = args["initial_state"], args["initial_state"].clone()
+        assert pool.dtype == dtype
+        assert check.check_slots(fn, ref, args, OP) <= check.TOLERANCE[dtype]
+        assert args["initial_state"] is pool and pool.dtype == dtype
+        assert not torch.equal(pool[args["state_slots"].long()], before[args["state_slots"].long()])
+
+
 @pytest.mark.parametrize("prefill,decode", [("chunk", "recurrent"), ("recurrent", "chunk"),
                                             ("triton_chunk", "triton_recurrent")])
 def test_prefill_then_decode_in_slots_equals_one_long_prefill(prefill, decode):

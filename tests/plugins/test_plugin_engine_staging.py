@@ -75,7 +75,7 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
         assert outcomes[pid] == [("skipped", "not_applicable", None)]
     for pid in ("max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-triton",
                 "prefill-triton", "moe-triton", "fused-norm-rope", "gdn-prefill-triton", "gdn-decode-triton",
-                "gdn-fused-triton"):
+                "gdn-fused-triton", "ssm-state-bf16"):
         assert [o[:2] for o in outcomes[pid]] == [("kept", None)], (pid, outcomes[pid])
     assert outcomes["decode-threshold-64k"][0][:2] == ("rolled_back", "regressed")
     assert outcomes["prefill-triton-tuning"] == [("skipped", "not_applicable", None)]  # vLLM's copy

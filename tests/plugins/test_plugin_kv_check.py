@@ -123,3 +123,9 @@ def test_vllm_hybrid_model_counts_each_sequences_linear_attention_state(tmp_path
     assert "20.0 KiB/token + 61.4 MiB/sequence" in result.stdout
     (root / "serve.yaml").write_text(f"model: model\nkv-cache-memory-bytes: {need - 1}\n")
     assert hook(root, "kv_cache_fits_vllm").returncode == 1  # the KV alone (10 GiB) would fit
+    # with the recurrent state in bf16 (mamba-ssm-cache-dtype), each sequence holds 31.4 MiB, and the same
+    # memory now fits
+    (root / "serve.yaml").write_text(f"model: model\nkv-cache-memory-bytes: {need - 1}\n"
+                                     "mamba-ssm-cache-dtype: bfloat16\n")
+    result = hook(root, "kv_cache_fits_vllm")
+    assert result.returncode == 0 and "20.0 KiB/token + 31.4 MiB/sequence" in result.stdout, result.stdout

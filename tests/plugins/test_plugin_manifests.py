@@ -27,7 +27,7 @@ SHIPPED = {
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
     "max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",  # vLLM serve options
     "kv-cache-fp8", "cudagraph-capture-size", "api-server-count", "stream-interval", "fusion-qk-norm-rope",
-    "moe-backend", "quantization-fp8",
+    "moe-backend", "quantization-fp8", "ssm-state-bf16",
 }
 # vLLM-serve plugin: (the key its precondition asks the installed vLLM for, the serve-config key it sets)
 VLLM_SERVE = {"max-num-seqs-search": ("max-num-seqs", "max-num-seqs"),
@@ -42,7 +42,7 @@ VLLM_SERVE = {"max-num-seqs-search": ("max-num-seqs", "max-num-seqs"),
                                       "compilation-config.pass_config.enable_qk_norm_rope_fusion"),
               "moe-backend": ("kernel-config.moe_backend=flashinfer_cutlass", "kernel-config.moe_backend"),
               "quantization-fp8": ("quantization=fp8_per_tensor", "quantization")}
-CHANGES_NUMERICS = {"kv-cache-fp8", "quantization-fp8"}
+CHANGES_NUMERICS = {"kv-cache-fp8", "quantization-fp8", "ssm-state-bf16"}
 
 
 TIMED = "prefill-triton-autotune"  # its step times launches on the device, then writes the serve config
