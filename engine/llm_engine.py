@@ -45,6 +45,7 @@ class LLMEngine:
         self._generation_tokens = 0
         self._steps = 0
         self._step_seconds = 0.0  # wall time inside the steps that ran something: a server's busy time
+        self._step_ended = 0.0  # Unix time the last of them ended: the counters count up to it
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise ValueError for a request the engine can never serve."""
@@ -98,6 +99,7 @@ class LLMEngine:
                 del self._requests[seq.request_id]
             outputs.append(StepOutput(seq.request_id, [token], seq.is_finished, seq.num_prompt_tokens,
                                       seq.num_cached_tokens or 0))
+        self._step_ended = time.time()
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -114,5 +116,6 @@ class LLMEngine:
         s = self.scheduler.stats
         return {"prompt_tokens": self._prompt_tokens, "prefill_tokens": self._prefill_tokens,
                 "generation_tokens": self._generation_tokens, "steps": self._steps, "step_seconds": self._step_seconds,
+                "step_ended": self._step_ended,
                 "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
                 "preemptions": s.preemptions, "requests_finished": s.requests_finished}

@@ -288,6 +288,7 @@ async def watch_window(base_url: str, end: float, cpu_clock: Callable[[], float 
     cpu_start = cpu_clock()
     host_start, began = cpu_times(), time.perf_counter()
     before = await server_tokens(base_url) if counted else None
+    before = await at_step_end(base_url, before, end)
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
     cpu_end = cpu_clock()
     host = host_load(host_start, cpu_times(), time.perf_counter() - began)
@@ -297,6 +298,21 @@ async def watch_window(base_url: str, end: float, cpu_clock: Callable[[], float 
                 if before is not None and after is not None else {})
     cpu = cpu_end - cpu_start if cpu_start is not None and cpu_end is not None else None
     return Watched(counters, cpu, gpus, host)
+
+
+async def at_step_end(base_url: str, reading: dict[str, float] | None, end: float) -> dict[str, float] | None:
+    """The server's counters as the first step after `reading` ended (before ``end``, perf_counter), where it tells
+    when its steps end: a window that starts there and ends at the last step end before its close counts whole
+    steps over exactly the time they took (``step_ended``'s difference), whatever the steps' length. A server
+    just resumed from a pause would otherwise date its first step from the end of the last one before it."""
+    if reading is None or "step_ended" not in reading:
+        return reading
+    while time.perf_counter() + STEP_POLL < end:
+        await asyncio.sleep(STEP_POLL)
+        now = await server_tokens(base_url)
+        if now is None or now.get("step_ended") != reading["step_ended"]:
+            return now
+    return reading
 
 
 @dataclass
@@ -332,13 +348,17 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
 SERVER_TOKENS = {"prefill": "engine:prefill_tokens", "generation": "vllm:generation_tokens"}
 
 # the engine server's steps and the wall time inside them, where it counts them: a window's steps, their mean
-# length and the share of the window they took tell a slower engine step from time lost around the engine
-SERVER_STEPS = {"steps": "engine:steps", "step_seconds": "engine:step_seconds"}
+# length and the share of the window they took tell a slower engine step from time lost around the engine;
+# and when the last of them ended (a gauge), so that a window can count whole steps over the time they took
+SERVER_STEPS = {"steps": "engine:steps", "step_seconds": "engine:step_seconds",
+                "step_ended": "engine:last_step_end_time_seconds"}
+STEP_POLL = 0.05  # seconds between two readings while a window waits for its first step end
 
 
 async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ...] = ()) -> dict[str, float] | None:
-    """The server's counters `names` ({key: family name}, each summed over its labels' ``_total`` samples) from
-    /metrics; None when it answers none, or lacks one of them that is not `optional`."""
+    """The server's counters and gauges `names` ({key: family name}; a counter summed over its labels' ``_total``
+    samples, a gauge over its labels' values) from /metrics; None when it answers none, or lacks one of them that
+    is not `optional`."""
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
             resp = await client.get(f"{base_url}/metrics")
@@ -350,7 +370,8 @@ async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ..
     for family in text_string_to_metric_families(resp.text):
         for key, name in names.items():
             if family.name == name:
-                found[key] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+                found[key] = sum(s.value for s in family.samples
+                                 if s.name.endswith("_total") or family.type == "gauge")
     return found if all(key in found for key in names if key not in optional) else None
 
 

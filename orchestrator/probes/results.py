@@ -85,6 +85,9 @@ def window_result(outcomes: list[Outcome], start: float, end: float, counters: d
     result["tokens_source"] = "client"
     if counters:
         duration = result["duration"]
+        if counters.get("step_ended", 0) > 0 and counters.get("steps", 0) > 0:
+            # whole steps over the time they took, from one step's end to another's (client.at_step_end)
+            duration = result["rate_seconds"] = counters["step_ended"]
         result.update(client_input_tokens=result["total_input_tokens"],
                       client_output_tokens=result["total_output_tokens"],
                       # the server counts the prompt tokens it computed: cached ones are added back for the score
@@ -101,8 +104,9 @@ def window_result(outcomes: list[Outcome], start: float, end: float, counters: d
 
 
 def with_score(result: dict, cached_tokens: float, weights: tuple[float, float, float]) -> dict:
-    """Adds uncached and cached prompt throughput and the weighted score."""
-    duration = result["duration"]
+    """Adds uncached and cached prompt throughput and the weighted score (over ``rate_seconds`` where the server's
+    step ends gave the window's span, else its duration)."""
+    duration = result.get("rate_seconds") or result["duration"]
     result["total_cached_tokens"] = cached_tokens
     result["input_throughput"] = (result["total_input_tokens"] - cached_tokens) / duration
     result["cached_throughput"] = cached_tokens / duration

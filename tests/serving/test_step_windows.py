@@ -1,0 +1,104 @@
+"""A window counts whole engine steps over the time they took. A server's counters move once a step, so a window
+read between two arbitrary instants misses part of a step at each end: with steps of 300-600 ms (a host-bound
+engine on a GPU) that is 3-6% of a 10-s window, noise as large as the effects judged. The engine server publishes
+when its last step ended (`engine:last_step_end_time_seconds`); the window opens at the first step end after it
+begins and is rated over the span between step ends."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from orchestrator.probes.client import server_tokens, watch_window
+from orchestrator.probes.results import window_result, with_score
+
+STEP, TOKENS, PREFILL, BUSY = 0.25, 100, 7, 0.2  # a step every 0.25 s: 100 tokens out, 7 prompt tokens in
+
+
+class SteppingServer:
+    """/metrics of an engine that ends a step every STEP seconds from its start, written as the engine server
+    writes them (prometheus_client families)."""
+
+    def __init__(self):
+        born = time.time()
+
+        class Steps:
+            def collect(self):
+                k = int((time.time() - born) / STEP)
+                for name, value in (("vllm:generation_tokens", TOKENS * k), ("engine:prefill_tokens", PREFILL * k),
+                                    ("engine:steps", k), ("engine:step_seconds", BUSY * k)):
+                    family = CounterMetricFamily(name, name)
+                    family.add_metric([], value)
+                    yield family
+                yield GaugeMetricFamily("engine:last_step_end_time_seconds", "", value=born + STEP * k)
+
+        registry = CollectorRegistry()
+        registry.register(Steps())
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture
+def stepping():
+    server = SteppingServer()
+    yield server.url
+    server.close()
+
+
+async def _naive(url: str, seconds: float) -> float:
+    """The old reading: the counters' difference between two instants over the time between them."""
+    before, began = await server_tokens(url), time.perf_counter()
+    await asyncio.sleep(seconds)
+    after = await server_tokens(url)
+    return (after["generation"] - before["generation"]) / (time.perf_counter() - began)
+
+
+def test_windows_at_any_phase_of_a_step_rate_the_same_whole_steps(stepping):
+    rates, naive = [], []
+    for phase in (0.0, 0.06, 0.12, 0.19):
+        time.sleep(phase)
+        start = time.perf_counter()
+        watched = asyncio.run(watch_window(stepping, start + 1.0))
+        result, cached, _ = window_result([], start, start + 1.0, watched.counters, None)
+        result = with_score(result, cached, (1.0, 0.5, 0.0))
+        assert result["duration"] == pytest.approx(1.0)
+        # opened at a step end, closed at the last one before its close: 3 steps of 0.25 s, whatever the phase
+        assert result["rate_seconds"] == pytest.approx(3 * STEP, abs=1e-6)
+        assert result["server_steps"] == 3 and result["server_step_busy"] == pytest.approx(BUSY / STEP)
+        rates.append(result["output_throughput"])
+        assert result["input_throughput"] == pytest.approx(PREFILL / STEP)
+        assert result["score"] == pytest.approx(TOKENS / STEP + 0.5 * PREFILL / STEP)
+        naive.append(asyncio.run(_naive(stepping, 1.0)))
+    assert rates == pytest.approx([TOKENS / STEP] * 4, rel=1e-6)
+    # read between two instants, a 1-s window counts 3, 4 or 5 steps: up to 25% off the true rate
+    assert max(naive) - min(naive) >= TOKENS * 0.9
+
+
+def test_a_server_without_step_ends_is_rated_over_the_window():
+    """vLLM publishes no step end: its counters' differences are rated over the window's duration, as before."""
+    result, _, _ = window_result([], 0.0, 10.0, {"generation": 1000.0, "prefill": 50.0}, None)
+    assert "rate_seconds" not in result and result["output_throughput"] == 100.0
+    stale = {"generation": 1000.0, "prefill": 50.0, "steps": 0.0, "step_seconds": 0.0, "step_ended": 0.0}
+    result, _, _ = window_result([], 0.0, 10.0, stale, None)  # no step ended inside it: nothing to span
+    assert "rate_seconds" not in result and result["output_throughput"] == 100.0
