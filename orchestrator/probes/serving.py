@@ -198,8 +198,7 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
                          server: LiveServer | None, start_at: float | None = None) -> dict:
     """One measured pass of ``workload`` (from ``start_at``, when given): `vllm bench serve`'s fields, the
     score, CPU figures."""
-    clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
-    cpu_clock = clock.cpu_seconds if clock is not None else lambda: None
+    cpu_clock = server_cpu_clock(args, server)
     lag = None
     client_cpu = time.process_time()
     if workload.steady:
@@ -257,14 +256,25 @@ class RunningServer:
         return group_cpu_seconds(self.pid)
 
 
+def server_cpu_clock(args: argparse.Namespace, server: LiveServer | None = None) -> Callable[[], float | None]:
+    """The CPU clock of the server measured: the one this probe started, else the one ``--server-pid`` names."""
+    clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
+    return clock.cpu_seconds if clock is not None else lambda: None
+
+
+async def pair_workload(base_url: str, args: argparse.Namespace) -> tuple[str, Workload]:
+    """The model served, and the workload with this pair's seed (each pair draws its own prompts)."""
+    model = args.model or await served_model(base_url)
+    return model, args.workload.model_copy(update={"seed": args.seed + PAIR_STRIDE * args.pair})
+
+
 async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer | None) -> dict:
     """``--windows`` passes of the workload on one healthy server, each from its own prompts (its own
     seed), reported as the best by ``--best-of``: interference from other processes on a shared
     machine only ever slows a pass down, so the fastest one is the least disturbed."""
     ready = server.age() if server is not None else None
-    model = args.model or await served_model(base_url)
-    seed = args.seed + PAIR_STRIDE * args.pair
-    workload = args.workload.model_copy(update={"seed": seed})
+    model, workload = await pair_workload(base_url, args)
+    seed = workload.seed
     warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
     windows = []
     for i in range(args.windows):
@@ -296,10 +306,8 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
     steady state where it left it. The first line emitted says how the fill went, then one per window (a
     sample's fields, `turn` its index); ``stop`` or the end of `lines` resumes the server and ends. Returns the
     windows taken."""
-    model = args.model or await served_model(base_url)
-    workload = args.workload.model_copy(update={"seed": args.seed + PAIR_STRIDE * args.pair})
-    clock = RunningServer(args.server_pid) if args.server_pid else None
-    cpu_clock = clock.cpu_seconds if clock is not None else lambda: None
+    model, workload = await pair_workload(base_url, args)
+    cpu_clock = server_cpu_clock(args)
     warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
     turns, paused = 0, False
     async with steady_load(base_url, model, workload, args.request_timeout, spare=2) as load:
