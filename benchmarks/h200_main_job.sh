@@ -6,7 +6,7 @@
 #                                                       # continues a run cut short on an earlier machine
 #   RESUME=.resume/state.tgz bash benchmarks/h200_main_job.sh calibrate --num-layers 4 --starts 10
 #                                                       # an A/A calibration of the state a run left, then polls
-#                                                       # (add --arms simultaneous: both servers' windows at once)
+#                                                       # (--arms coresident: one window after the other)
 # Each call polls `orchestrator status` until the run ends or POLL_SECONDS pass (default 480, so that the call,
 # the wheels' install included, ends well inside a command's 10 minutes: a command cut there returns no output).
 # The status JSON, the log and the database are written to $OUT after every poll, and the report (Markdown and

@@ -153,7 +153,8 @@ class Together(Pairing):
             started = True
             if arm is base:
                 cand.put_on_disk()
-        if started and self.mode == "simultaneous":
+        if started and self.mode == "simultaneous" and not cand.server.fills_once:
+            # a fresh pair's first windows run slower; a server filled once is warm by the end of its fill
             self.pair(step_id, WARM_UP_PAIR + n, name, base, cand, warm_up=True)
 
     def begin(self, step_id, name, base, cand):

@@ -78,10 +78,10 @@ def test_a_simultaneous_engine_server_runs_every_thread_on_the_shared_core(tmp_p
     assert "--cpu-affinity" not in plain.argv
 
 
-def test_the_pairing_is_simultaneous_on_a_cpu_coresident_on_a_gpu_and_as_the_config_says(tmp_path):
+def test_the_pairing_is_simultaneous_on_a_cpu_and_a_gpu_unless_the_config_says_otherwise(tmp_path):
     (tmp_path / "plugins").mkdir()
     cases = [("auto", "cpu", "simultaneous"), ("sequential", "cpu", "sequential"), ("coresident", "cpu", "coresident"),
-             ("simultaneous", "cpu", "simultaneous"), ("auto", "cuda", "coresident"),
+             ("simultaneous", "cpu", "simultaneous"), ("auto", "cuda", "simultaneous"), ("coresident", "cuda", "coresident"),
              ("simultaneous", "cuda", "simultaneous"), ("sequential", "cuda", "sequential")]
     for arms, device, expected in cases:
         (tmp_path / "orchestrator.yaml").write_text(STAGED_CONFIG.format(arms=arms).replace("device: cpu",
@@ -93,7 +93,7 @@ def test_the_pairing_is_simultaneous_on_a_cpu_coresident_on_a_gpu_and_as_the_con
         (tmp_path / "orchestrator.yaml").write_text(text)
         assert load(tmp_path / "orchestrator.yaml").target.pairing() == expected
     # beside a co-resident server on a GPU the KV cache is a fixed share; never on a CPU
-    gpu = STAGED_CONFIG.format(arms="auto").replace("device: cpu", "device: cuda")
+    gpu = STAGED_CONFIG.format(arms="coresident").replace("device: cpu", "device: cuda")
     (tmp_path / "orchestrator.yaml").write_text(gpu)
     target = load(tmp_path / "orchestrator.yaml").target
     argv = target.live_server(beside="coresident").argv
@@ -102,7 +102,7 @@ def test_the_pairing_is_simultaneous_on_a_cpu_coresident_on_a_gpu_and_as_the_con
     assert target.memory_keys() == {"gpu-memory-utilization", "kv-cache-memory"}
     assert target.fills_once()
     # simultaneous on a GPU: the same fixed share, and (given two cores) both servers on the shared one
-    (tmp_path / "orchestrator.yaml").write_text(gpu.replace("arms: auto", "arms: simultaneous"))
+    (tmp_path / "orchestrator.yaml").write_text(gpu.replace("arms: coresident", "arms: auto"))
     target = load(tmp_path / "orchestrator.yaml").target
     argv = target.live_server(beside="simultaneous").argv
     assert argv[argv.index("--kv-cache-memory") + 1] == str(16 << 30)
