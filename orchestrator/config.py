@@ -148,7 +148,7 @@ def embedded_default(cwd: Path, engine: dict[str, Any] | None = None) -> Project
     state = cwd / "state"
     engine = engine or {}
     # On a GPU each sample is 10 s of steady state, and the candidate's server and the kept state's live side
-    # by side (pairing.py): an A/A calibration of the first kept state comes before the first plugin judged
+    # by side and are measured at once (pairing.py, simultaneous): an A/A calibration of the first kept state comes before the first plugin judged
     # against it (four fresh servers, two pairs each; the seed's baseline runs one sequence at a time, unlike any
     # state after `max-num-seqs-256`), and the judge counts the start effects it finds; a large effect is decided in two pairs, a change of no
     # effect is rolled back within four. On a CPU a serving sample varies by 10-17% (the shared cores' speed:
