@@ -6,12 +6,10 @@ begins and is rated over the span between step ends."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from orchestrator.probes.client import server_tokens, watch_window
@@ -20,50 +18,31 @@ from orchestrator.probes.results import window_result, with_score
 STEP, TOKENS, PREFILL, BUSY = 0.25, 100, 7, 0.2  # a step every 0.25 s: 100 tokens out, 7 prompt tokens in
 
 
-class SteppingServer:
-    """/metrics of an engine that ends a step every STEP seconds from its start, written as the engine server
-    writes them (prometheus_client families)."""
+class Steps:
+    """The counters of an engine that ends a step every STEP seconds from its start, in the engine server's names
+    and families."""
 
     def __init__(self):
-        born = time.time()
+        self.born = time.time()
 
-        class Steps:
-            def collect(self):
-                k = int((time.time() - born) / STEP)
-                for name, value in (("vllm:generation_tokens", TOKENS * k), ("engine:prefill_tokens", PREFILL * k),
-                                    ("engine:steps", k), ("engine:step_seconds", BUSY * k)):
-                    family = CounterMetricFamily(name, name)
-                    family.add_metric([], value)
-                    yield family
-                yield GaugeMetricFamily("engine:last_step_end_time_seconds", "", value=born + STEP * k)
-
-        registry = CollectorRegistry()
-        registry.register(Steps())
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = generate_latest(registry)
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
+    def collect(self):
+        k = int((time.time() - self.born) / STEP)
+        for name, value in (("vllm:generation_tokens", TOKENS * k), ("engine:prefill_tokens", PREFILL * k),
+                            ("engine:steps", k), ("engine:step_seconds", BUSY * k)):
+            family = CounterMetricFamily(name, name)
+            family.add_metric([], value)
+            yield family
+        yield GaugeMetricFamily("engine:last_step_end_time_seconds", "", value=self.born + STEP * k)
 
 
 @pytest.fixture
 def stepping():
-    server = SteppingServer()
-    yield server.url
-    server.close()
+    """/metrics served over HTTP by prometheus_client's own server."""
+    registry = CollectorRegistry()
+    registry.register(Steps())
+    httpd, _ = start_http_server(0, "127.0.0.1", registry)
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
 
 
 async def _naive(url: str, seconds: float) -> float:
