@@ -66,8 +66,9 @@ def test_a_server_filled_once_gives_one_window_per_turn_and_waits_paused_between
         for w in windows:
             assert "error" not in w and w["steady_state"] and w["duration"] == 1.0 and w["total_output_tokens"] > 0
             assert w["score"] > 0 and w["tokens_source"] == "server" and w["server_steps"] > 0
-            # rated over whole steps, from the first step end after the window opened to the last before it closed
-            assert 0 < w["rate_seconds"] <= w["duration"] and w["output_throughput"] == pytest.approx(
+            # rated over whole steps, from the first step end after the window opened to the last before its closing
+            # reading (a few ms after its end)
+            assert 0 < w["rate_seconds"] < w["duration"] + 0.25 and w["output_throughput"] == pytest.approx(
                 w["total_output_tokens"] / w["rate_seconds"]), w
             # the machine's load over the window: at least the server's core busy, no more cores than there are
             assert 0 <= w["host_steal"] <= 1 and 0.5 < w["host_busy_cores"] <= psutil.cpu_count(), w
