@@ -830,9 +830,9 @@ def section_profile(args, copy_gbps: float, mm_tflops: float) -> None:
     z, cuda = args.sizes, args.device == "cuda"
     engine = LLMEngine({**_engine_config(args), "cuda-graphs": False})
     cfg, elt = engine.config.hf, torch.empty((), dtype=engine.model_runner.dtype).element_size()
-    state_elt = torch.empty((), dtype=engine.config.state_dtype()).element_size()
+    state = engine.config.state_dtype()
     out = dict(model=engine.config.model, layers=cfg.num_layers, kernel_choice=engine.kernel_choice,
-               state_dtype=str(engine.config.state_dtype()).removeprefix("torch."),
+               state_dtype=str(state).removeprefix("torch."),
                copy_gbps=copy_gbps, matmul_tflops=mm_tflops, steps=z.profile_steps, batches=[])
     for batch in z.profile_batches:
         _steady_decode(engine, batch - len(engine.scheduler.running), z.prompt_len, seed=30 + batch)
@@ -840,7 +840,7 @@ def section_profile(args, copy_gbps: float, mm_tflops: float) -> None:
         running = engine.scheduler.running
         b, context = len(running), sum(s.num_computed_tokens + 1 for s in running) / len(running)
         kernels = _profile_decode(engine, z.profile_steps)
-        floors = floor_ms(decode_floors(cfg, b, context, elt, state_elt), copy_gbps, mm_tflops)
+        floors = floor_ms(decode_floors(cfg, b, context, elt, state.itemsize), copy_gbps, mm_tflops)
         rows = class_rows([(name, us) for name, _, us in kernels], z.profile_steps, floors)
         kernel_ms = sum(r["ms"] for r in rows)
         busy = _busy_us([(t, t + us) for _, t, us in kernels]) / 1e3 / z.profile_steps if cuda else kernel_ms

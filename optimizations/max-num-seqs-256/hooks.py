@@ -47,8 +47,7 @@ def kv_cache_fits_engine(root: Path, serve_config: str, seqs: int, tokens: int) 
     weights = cfg.hf.num_params() * element
     # the engine allocates max-num-seqs state slots (and a scratch one for the padding rows of its decode
     # graphs) before it sizes the KV cache from what is left
-    state_size = torch.empty((), dtype=cfg.state_dtype()).element_size()
-    states = (cfg.max_num_seqs + 1) * cfg.hf.state_bytes_per_sequence(element, state_size)
+    states = (cfg.max_num_seqs + 1) * cfg.hf.state_bytes_per_sequence(element, cfg.state_dtype().itemsize)
     return report(seqs, tokens, per_token, total * cfg.gpu_memory_utilization - weights - states,
                   f"{cfg.gpu_memory_utilization} x {total / GIB:.1f} GiB less {weights / GIB:.1f} GiB of weights "
                   f"and {states / GIB:.1f} GiB of linear-attention state slots")

@@ -6,12 +6,11 @@ from pathlib import Path
 
 
 def wide_state(root: Path, serve_config: str) -> bool:
-    import torch
     from engine.config import load_config
 
     cfg = load_config(Path(root) / serve_config)
     dtype = cfg.state_dtype()
-    wide = cfg.hf.is_hybrid and torch.empty((), dtype=dtype).element_size() > 2
+    wide = cfg.hf.is_hybrid and dtype.itemsize > 2
     print(f"model {cfg.model} has Gated DeltaNet layers: {cfg.hf.is_hybrid}; their recurrent state: "
           f"{str(dtype).removeprefix('torch.')}")
     return wide
