@@ -1,7 +1,7 @@
 """What the engine would run for a serve config on this machine: its effective configuration.
 
 Two serve configs that differ only in keys the engine ignores here (``gpu-memory-utilization`` on a
-CPU, a Triton variant that falls back to the same torch kernel, a long-decode kernel that no
+CPU, or on a GPU whose cache holds every sequence the scheduler may run either way; a Triton variant that falls back to the same torch kernel, a long-decode kernel that no
 sequence can reach below ``max-model-len`` or in the served workload) run the same computation, so measuring one against
 the other measures noise. The orchestrator's configuration probe compares this output for the
 candidate and the last kept state and rolls back, unmeasured, a change that makes no difference
@@ -24,6 +24,25 @@ from engine.config import ConfigError, EngineConfig, load_config
 
 SCHEDULING = ("max-num-seqs", "max-num-batched-tokens", "block-size", "max-model-len", "seed")
 SERVING = ("stream-interval",)  # what engine.server does around the engine
+# Of the card, kept from the cache's share beyond the weights, the state slots and the largest prefill's attention
+# scores, when telling whether the cache holds every sequence: the activation peak, CUDA graphs, the CUDA context.
+CACHE_RESERVE = 0.10
+
+
+def cache_holds_all(config: EngineConfig, element_size: int, card_bytes: int, longest: int) -> bool:
+    """Whether a GPU cache sized by ``gpu-memory-utilization`` holds ``max-num-seqs`` sequences of ``longest`` tokens
+    by a pessimistic count of what else the share holds (the weights, the state slots, the largest prefill's
+    attention scores as one float32 matrix, and ``CACHE_RESERVE`` of the card). Then no sequence ever waits for
+    blocks or is preempted, and a larger share runs exactly the same steps."""
+    hf = config.hf
+    block = hf.kv_bytes_per_token(element_size) * config.block_size
+    if block == 0:
+        return True
+    prefill = min(config.max_num_batched_tokens, config.max_model_len)
+    states = (config.max_num_seqs + 1) * hf.state_bytes_per_sequence(element_size, config.state_dtype().itemsize)
+    rest = hf.num_params() * element_size + states + prefill * prefill * hf.num_heads * 4 + CACHE_RESERVE * card_bytes
+    need = config.max_num_seqs * -(-longest // config.block_size)
+    return (card_bytes * config.gpu_memory_utilization - rest) // block >= need
 
 
 def effective(config: EngineConfig, max_context: int | None = None) -> dict[str, Any]:
@@ -43,8 +62,18 @@ def effective(config: EngineConfig, max_context: int | None = None) -> dict[str,
     if config.enable_prefix_caching and not config.prefix_caching:
         ignored["enable-prefix-caching"] = "a hybrid model caches no prefix"
 
+    longest = min(config.max_model_len, max_context or config.max_model_len)
     if (budget := fixed_cache_budget(config, device.type)) is None:
-        out["gpu-memory-utilization"] = config.gpu_memory_utilization
+        import torch
+
+        card = torch.cuda.get_device_properties(device).total_memory
+        if cache_holds_all(config, dtype.itemsize, card, longest):
+            out["kv-cache"] = "holds every sequence"
+            ignored["gpu-memory-utilization"] = (
+                f"at {config.gpu_memory_utilization} of {card / 2**30:.0f} GiB the cache holds max-num-seqs "
+                f"({config.max_num_seqs}) sequences of {longest} tokens: no sequence waits for blocks")
+        else:
+            out["gpu-memory-utilization"] = config.gpu_memory_utilization
     else:
         out["kv-cache-memory"] = budget
         ignored["gpu-memory-utilization"] = ("the cache is sized by kv-cache-memory" if device.type == "cuda"
@@ -60,7 +89,6 @@ def effective(config: EngineConfig, max_context: int | None = None) -> dict[str,
         out[key] = choice[key]
         if chain != [choice[key]]:
             ignored[key] = f"{' -> '.join(chain)} runs {choice[key]} here"
-    longest = min(config.max_model_len, max_context or config.max_model_len)
     if config.decode_long_threshold >= longest:
         del out["attention-decode-long"]
         reach = (f"max-model-len {config.max_model_len}" if longest == config.max_model_len

@@ -90,3 +90,53 @@ def test_the_command_prints_one_result_line_and_names_a_bad_key(tmp_path):
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
     assert str(bad) in error and "max-num-seqs" in error
     assert bad.read_bytes() == before
+
+
+def on_a_card(monkeypatch, gib: float) -> None:
+    """effective() as on a GPU of `gib` GiB without kv-cache-memory (the kernels still chosen on the CPU)."""
+    import types
+
+    import torch
+
+    import engine.model_runner
+    monkeypatch.setattr(engine.model_runner, "fixed_cache_budget", lambda config, device_type: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=int(gib * 2**30)))
+
+
+QWEN4 = {**BASE, "model": "qwen3.6-35b-a3b", "num-layers": 4, "dtype": "bfloat16", "max-num-seqs": 256}
+
+
+def test_a_larger_memory_share_runs_the_same_where_the_cache_already_holds_every_sequence(monkeypatch):
+    on_a_card(monkeypatch, 80)
+    base = effective(load_config(QWEN4), max_context=1201)
+    cand = effective(load_config({**QWEN4, "gpu-memory-utilization": 0.95}), max_context=1201)
+    assert cand["configuration"] == base["configuration"]
+    assert base["configuration"]["kv-cache"] == "holds every sequence"
+    assert "(256) sequences of 1201 tokens" in cand["ignored"]["gpu-memory-utilization"]
+
+
+def test_a_larger_memory_share_counts_where_the_cache_may_not_hold_every_sequence(monkeypatch):
+    # 4 layers of weights are 8.2 GiB: on a 12 GiB card neither share leaves enough by the pessimistic count
+    on_a_card(monkeypatch, 12)
+    base = effective(load_config(QWEN4), max_context=1201)
+    cand = effective(load_config({**QWEN4, "gpu-memory-utilization": 0.95}), max_context=1201)
+    assert cand["configuration"] != base["configuration"]
+    assert (base["configuration"]["gpu-memory-utilization"], cand["configuration"]["gpu-memory-utilization"]) == (
+        0.9, 0.95)
+    assert "gpu-memory-utilization" not in cand["ignored"]
+
+
+def test_the_cache_holds_every_sequence_only_past_a_pessimistic_count_of_the_rest_of_the_card():
+    from engine.effective import CACHE_RESERVE, cache_holds_all
+
+    config = load_config(QWEN4)
+    hf, gib = config.hf, 2**30
+    block = hf.kv_bytes_per_token(2) * config.block_size
+    rest = (hf.num_params() * 2 + 257 * hf.state_bytes_per_sequence(2, config.state_dtype().itemsize)
+            + 4096 * 4096 * hf.num_heads * 4)
+    need = 256 * 76 * block  # 256 sequences of 1,201 tokens in blocks of 16
+    card = (rest + need) / (config.gpu_memory_utilization - CACHE_RESERVE)  # exactly enough
+    assert cache_holds_all(config, 2, int(card) + gib // 64, 1201)
+    assert not cache_holds_all(config, 2, int(card) - gib // 64, 1201)
+    assert not cache_holds_all(load_config({**QWEN4, "max-num-seqs": 512}), 2, int(card) + gib // 64, 1201)
