@@ -215,14 +215,16 @@ class Together(Pairing):
 
     def windows_at_once(self, step_id: int | None, n: int, plugin: str, arms: dict[str, Arm],
                         warm_up: bool = False) -> dict[str, Sample]:
-        """One simultaneous pair on servers filled once (orchestrator/turns.py): each server's driver started and
-        filled where it has none (one after the other), then both asked for a window at once, so that both
-        windows cover the same seconds of the machine."""
+        """One simultaneous pair on servers filled once (orchestrator/turns.py): each server's driver started where
+        it has none (both, then their fills awaited: the warm-ups and fills overlap), then both asked for a window
+        at once, so that both windows cover the same seconds of the machine."""
         spec = self.prober.throughput[0]
         self.run.reporter.phase(plugin, f"probe {spec.name} (both arms #{n + 1})")
         drivers = {label: self.prober.driver(step_id, arm, label, n, plugin, arm.server,
                                              {WARMUP_ENV: "1"} if arm.server.samples == 0 else {})
                    for label, arm in arms.items()}
+        for label, arm in arms.items():
+            self.prober.filled(step_id, label, n, arm.server)
         for driver in drivers.values():
             driver.ask()
         results = {label: driver.answer(spec.timeout) for label, driver in drivers.items()}

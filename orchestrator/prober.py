@@ -222,6 +222,7 @@ class Prober:
         if self.in_turns(server):
             self.run.reporter.phase(plugin, f"probe {self.throughput[0].name} ({label} #{repeat + 1})")
             turns = self.driver(step_id, arm, label, repeat, plugin, server, {**fresh, **(extra_env or {})})
+            self.filled(step_id, label, repeat, server)
             return self.turn(step_id, label, repeat, server, turns.window(self.throughput[0].timeout))
         for spec in self.throughput:
             out = self.probe(spec, step_id, arm, label, repeat, plugin, {**fresh, **(extra_env or {})})
@@ -242,8 +243,8 @@ class Prober:
 
     def driver(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer,
                extra_env: dict[str, str]) -> Turns:
-        """The serving driver of the arm's server, started (and the server with it where none is up) and filled
-        at the server's first sample."""
+        """The serving driver of the arm's server, started (and the server with it where none is up) at the
+        server's first sample; `filled` waits for its fill."""
         spec = self.throughput[0]
         if server.turns is not None and not server.up:
             server.end_turns()
@@ -263,14 +264,18 @@ class Prober:
             def on_start(pid: int, create_time: float):
                 confine(pid, cpus)
                 return record(f"probe {spec.name} (turns)", pid, create_time)
-            turns = Turns([*command, "--turns"], self.run.project.base_dir, env, spec.timeout, on_start=on_start,
-                          on_tick=self.run.tick, tmp_dir=self.run.tmp)
-            if turns.failed is not None:
-                out = self.judged(spec, turns.failed, step_id, label, repeat, server)
-                raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name} (its fill): "
-                                f"{failure(out)}", spec, out)
-            server.turns = turns
+            server.turns = Turns([*command, "--turns"], self.run.project.base_dir, env, spec.timeout,
+                                 on_start=on_start, on_tick=self.run.tick, tmp_dir=self.run.tmp)
         return server.turns
+
+    def filled(self, step_id: int | None, label: str, repeat: int, server: StateServer) -> None:
+        """Wait for the fill of the server's driver; ArmFailed (the driver dropped) where it could not fill."""
+        spec = self.throughput[0]
+        if (failed := server.turns.filled()) is not None:
+            server.turns = None
+            out = self.judged(spec, failed, step_id, label, repeat, server)
+            raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name} (its fill): "
+                            f"{failure(out)}", spec, out)
 
     def turn(self, step_id: int | None, label: str, repeat: int, server: StateServer, result: ProcessResult,
              stored_as: str | None = None) -> Sample:

@@ -36,8 +36,8 @@ class Turns:
     def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
                  on_start: Callable[[int, float], Callable[[], None] | None],
                  on_tick: Callable[[float, str], None] | None = None, tmp_dir: Path | None = None):
-        """Start the driver and wait (at most `timeout` seconds) until it has filled its server; the first line
-        it answers is kept in `fill`. Check `failed` afterwards: a driver that could not fill is stopped."""
+        """Start the driver; `filled` waits until it has filled its server (simultaneous arms start both drivers
+        first, so that their warm-ups and fills overlap)."""
         self.mark, self._since = new_mark(), time.time() - 5
         self._err = open(Path(tmp_dir or "/tmp") / f"turns-{self.mark}.stderr", "w+b")
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -50,10 +50,19 @@ class Turns:
         except psutil.Error:
             create_time = time.time()
         self._end = on_start(self.proc.pid, create_time)
-        self.fill = self._answer(timeout)
-        self.failed: ProcessResult | None = None if "filled" in (self.fill.result or {}) else self.fill
-        if self.failed is not None:
-            self.stop()
+        self._timeout = timeout
+        self.fill: ProcessResult | None = None  # the first line it answers
+        self.failed: ProcessResult | None = None
+
+    def filled(self) -> ProcessResult | None:
+        """Wait (at most the driver's timeout) until it has filled its server: None, or why it could not, the
+        driver then stopped."""
+        if self.fill is None:
+            self.fill = self._answer(self._timeout)
+            self.failed = None if "filled" in (self.fill.result or {}) else self.fill
+            if self.failed is not None:
+                self.stop()
+        return self.failed
 
     def _read(self) -> None:
         for line in self.proc.stdout:

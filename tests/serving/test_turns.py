@@ -144,8 +144,8 @@ def test_the_gpu_flow_fills_each_server_once_and_samples_it_in_turns(tmp_path):
 
 def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_seconds(tmp_path):
     """The GPU's simultaneous flow on a CPU (`arms: simultaneous`, `fill_once`): each server filled once by its
-    driver, both drivers asked for a window at once, so that both windows of a pair cover the same seconds; no
-    warm-up pair: the fill (after its driver's own warm-up) is what warms a fresh server."""
+    driver (both drivers started together, so that the warm-ups and fills overlap), both asked for a window at once,
+    so that both windows of a pair cover the same seconds; no warm-up pair: the fill (after its driver's own warm-up) is what warms a fresh server."""
     config = CONFIG.replace("  arms: coresident\n", "  arms: simultaneous\n  fill_once: true\n")
     stage(tmp_path, config)
     steps = {s["plugin"]: s for s in query(tmp_path, "SELECT * FROM steps")}
@@ -167,4 +167,12 @@ def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_second
         assert abs(p["baseline"]["window_started"] - p["candidate"]["window_started"]) < 0.5, p
     drivers = [p for p in query(tmp_path, "SELECT * FROM processes") if p["what"] == "probe serving (turns)"]
     assert len(drivers) == sum(w["turn"] == 0 for p in pairs.values() for w in p.values())
+    # a block's two drivers start together: the second before the first can have warmed up and filled its server
+    fresh = [(step, p) for (step, _, _), p in pairs.items()
+             if set(p) == {"baseline", "candidate"} and all(w["turn"] == 0 for w in p.values())]
+    assert fresh
+    for step, p in fresh:
+        started = sorted(d["started"] for d in drivers if d["step_id"] == step)
+        assert len(started) == 2, (step, started)
+        assert started[1] - started[0] < min(w["warmup_seconds"] + w["fill_seconds"] for w in p.values()), (p, started)
     assert alive_with(str(tmp_path)) == []
