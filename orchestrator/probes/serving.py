@@ -37,6 +37,7 @@ from orchestrator.probes.workload import Workload
 WINDOW_STRIDE = 7919  # seed offset of each further measured window
 
 WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
+WARM_SECONDS = 3.0  # of a steady stream's steps, run before any window of it
 
 # Seed offset of each pair (--pair, $ORCHESTRATOR_PAIR): larger than every offset within one probe, so no
 # two pairs share a prompt. Both samples of a pair send the same prompts; a server reused for the next
@@ -178,7 +179,7 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
     first use, which must happen here, not in the window. With 1,024-token warm-up prompts, samples
     of one config on an H200 (8 x 8,400-token prompts) spread from 23k to 37k. Returns its wall time."""
     if workload.steady:  # a few seconds of the stream itself: a whole batch could take minutes at one sequence
-        warm = workload.model_copy(update=dict(duration=max(3.0, workload.ramp), ramp=0.0,
+        warm = workload.model_copy(update=dict(duration=max(WARM_SECONDS, workload.ramp), ramp=0.0,
                                                seed=workload.seed + WARMUP_OFFSET))
         began = time.perf_counter()
         outcomes = (await drive_steady(base_url, model, warm, request_timeout, counted=False)).outcomes
@@ -304,17 +305,21 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
     server paused between them. A window that began from an idle server would pay for the fill each time (on an
     H200 at 128 sequences 6-14 s of a 25-40 s sample); paused with its requests kept, the server takes up its
     steady state where it left it. The first line emitted says how the fill went, then one per window (a
-    sample's fields, `turn` its index); ``stop`` or the end of `lines` resumes the server and ends. Returns the
-    windows taken."""
+    sample's fields, `turn` its index); ``stop`` or the end of `lines` resumes the server and ends. The warm-up
+    (``--warmup``) is a few seconds of the stream itself past its fill, not a fill of its own: the fill's prefills
+    and those seconds' steps compile what the windows run. Returns the windows taken."""
     model, workload = await pair_workload(base_url, args)
     cpu_clock = server_cpu_clock(args)
-    warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
     turns, paused = 0, False
     async with steady_load(base_url, model, workload, args.request_timeout, spare=2) as load:
         try:
             fill_ended = await wait_for_fill(load.wave, load.outcomes, workload.fill_limit)
             fill = {"fill_seconds": time.perf_counter() - load.begin, "fill_prefilled": sum(map(prefilled, load.wave)),
-                    "fill_ended": fill_ended, **({"warmup_seconds": warmup} if warmup is not None else {})}
+                    "fill_ended": fill_ended}
+            if args.warmup:
+                began = time.perf_counter()
+                await asyncio.sleep(max(WARM_SECONDS, workload.ramp))
+                fill["warmup_seconds"] = time.perf_counter() - began
             await set_paused(load.client, base_url, True)
             paused = True
             emit({"filled": True, **fill})
