@@ -160,7 +160,13 @@ class Together(Pairing):
     def begin(self, step_id, name, base, cand):
         if self.prober.disk.up:
             self.prober.release()  # whatever served the state on disk before has no part in this
-        self.ensure(step_id, 0, name, base, cand, fresh=self.mode == "simultaneous")
+        if self.mode == "simultaneous":
+            # both arms fresh, as the calibration measures them; a candidate's server that has served only its
+            # correctness probes is as fresh as a new one, and saves a start
+            for arm in (base, cand):
+                if arm.server is not None and (arm is base or arm.server.samples or arm.server.turns is not None):
+                    arm.server.stop()
+        self.ensure(step_id, 0, name, base, cand, fresh=False)
 
     def new_block(self, step_id, n, name, base, cand):
         self.ensure(step_id, n, name, base, cand, fresh=True)

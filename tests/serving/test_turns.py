@@ -167,6 +167,16 @@ def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_second
         assert abs(p["baseline"]["window_started"] - p["candidate"]["window_started"]) < 0.5, p
     drivers = [p for p in query(tmp_path, "SELECT * FROM processes") if p["what"] == "probe serving (turns)"]
     assert len(drivers) == sum(w["turn"] == 0 for p in pairs.values() for w in p.values())
+    # the candidate's server that served its correctness probe serves its pairs: one start
+    for plugin in ("wider-batch",):
+        step = steps[plugin]["id"]
+        rows = query(tmp_path, f"SELECT * FROM measurements WHERE step_id = {step} AND arm = 'candidate'")
+        correct = [r["server"] for r in rows if r["role"] == "correctness"]
+        measured = {r["server"] for r in rows if r["role"] == "throughput"}
+        assert correct and correct[0] in measured and len(measured) == 1, (plugin, rows)
+        started = [d for d in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
+                   if d["what"] == "live server (candidate)"]
+        assert len(started) == 1, (plugin, started)
     # a block's two drivers start together: the second before the first can have warmed up and filled its server
     fresh = [(step, p) for (step, _, _), p in pairs.items()
              if set(p) == {"baseline", "candidate"} and all(w["turn"] == 0 for w in p.values())]
