@@ -1,8 +1,9 @@
 """What the engine would run for a serve config on this machine: its effective configuration.
 
 Two serve configs that differ only in keys the engine ignores here (``gpu-memory-utilization`` on a
-CPU, or on a GPU whose cache holds every sequence the scheduler may run either way; a Triton variant that falls back to the same torch kernel, a long-decode kernel that no
-sequence can reach below ``max-model-len`` or in the served workload) run the same computation, so measuring one against
+CPU, or on a GPU whose cache holds every sequence the scheduler may run either way; a Triton variant
+that falls back to the same torch kernel, a long-decode kernel that no sequence can reach below
+``max-model-len`` or in the served workload) run the same computation, so measuring one against
 the other measures noise. The orchestrator's configuration probe compares this output for the
 candidate and the last kept state and rolls back, unmeasured, a change that makes no difference
 (docs/probes.md). Kernel variants are chosen exactly as at start-up (the self-checks of

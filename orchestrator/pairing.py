@@ -163,9 +163,10 @@ class Together(Pairing):
         if self.mode == "simultaneous":
             # both arms fresh, as the calibration measures them; a candidate's server that has served only its
             # correctness probes is as fresh as a new one, and saves a start
-            for arm in (base, cand):
-                if arm.server is not None and (arm is base or arm.server.samples or arm.server.turns is not None):
-                    arm.server.stop()
+            if base.server is not None:
+                base.server.stop()
+            if cand.server is not None and (cand.server.samples or cand.server.turns is not None):
+                cand.server.stop()
         self.ensure(step_id, 0, name, base, cand, fresh=False)
 
     def new_block(self, step_id, n, name, base, cand):

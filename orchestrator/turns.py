@@ -52,17 +52,15 @@ class Turns:
         self._end = on_start(self.proc.pid, create_time)
         self._timeout = timeout
         self.fill: ProcessResult | None = None  # the first line it answers
-        self.failed: ProcessResult | None = None
 
     def filled(self) -> ProcessResult | None:
         """Wait (at most the driver's timeout) until it has filled its server: None, or why it could not, the
         driver then stopped."""
         if self.fill is None:
             self.fill = self._answer(self._timeout)
-            self.failed = None if "filled" in (self.fill.result or {}) else self.fill
-            if self.failed is not None:
+            if "filled" not in (self.fill.result or {}):
                 self.stop()
-        return self.failed
+        return None if "filled" in (self.fill.result or {}) else self.fill
 
     def _read(self) -> None:
         for line in self.proc.stdout:
