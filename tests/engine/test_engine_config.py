@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,3 +186,16 @@ def test_the_baseline_is_the_seed_starting_point():
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.gpu_memory_utilization) == (1, 8192, 0.9)
     assert cfg.chain("attention-decode") == cfg.chain("attention-decode-long") == ["v1"]
     assert cfg.chain("attention-prefill") == ["loop"] and cfg.chain("moe-dispatch") == ["gather"]
+
+
+def test_loading_a_serve_config_imports_no_torch():
+    """Every engine plugin's verify step loads the serve config in a fresh process: it must not pay torch's import
+    (4 s on a GPU host), while `from engine import LLM` still works."""
+    code = ("import sys; from engine.config import load_config; load_config(sys.argv[1]); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('torch', 'engine.')))")
+    done = subprocess.run([sys.executable, "-c", code, str(CONFIGS / "baseline.yaml")], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, "-c", "from engine import LLM; print(LLM.__name__)"], capture_output=True,
+                          text=True, cwd=Path(__file__).parents[2])
+    assert done.stdout.strip() == "LLM", done.stderr
