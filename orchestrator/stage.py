@@ -290,10 +290,11 @@ class Stager:
         cand.holding, cand.show = [*kept_ids, plugin.id], lambda: self.journal.show(step_id, "post")
         read: dict | None = None
         pinned = self.run.pairing
-        if (pinned == "coresident" and self.prober.configuration and self.run.project.policy.interleave
-                and any(self.prober.serves(s) for s in self.prober.throughput)):
+        if (pinned in ("coresident", "simultaneous") and self.prober.configuration
+                and self.run.project.policy.interleave and any(self.prober.serves(s) for s in self.prober.throughput)):
             # the candidate's own server starts while its configuration probe runs (a start costs seconds on a
-            # GPU); a candidate that turns out unmeasured, or to be measured one server at a time, stops it
+            # GPU, and a server that served only the correctness probes serves the pairs too); a candidate that
+            # turns out unmeasured, or to be measured one server at a time, stops it
             cand.server = StateServer(self.run, pinned=pinned)
             try:
                 self.prober.start(cand, "candidate", step_id, 0, name, wait=False)

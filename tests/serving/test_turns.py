@@ -177,6 +177,10 @@ def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_second
         started = [d for d in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
                    if d["what"] == "live server (candidate)"]
         assert len(started) == 1, (plugin, started)
+        # started while the configuration probe ran: the start and the probe overlap
+        [config] = [d for d in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
+                    if d["what"] == "probe engine-config"]
+        assert started[0]["started"] < config["ended"], (started, config)
     # a block's two drivers start together: the second before the first can have warmed up and filled its server
     fresh = [(step, p) for (step, _, _), p in pairs.items()
              if set(p) == {"baseline", "candidate"} and all(w["turn"] == 0 for w in p.values())]
