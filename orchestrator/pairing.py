@@ -29,7 +29,8 @@ from __future__ import annotations
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from contextlib import contextmanager
+from typing import Callable, Iterator, Protocol
 
 from orchestrator import decide
 from orchestrator.context import RunContext
@@ -37,7 +38,7 @@ from orchestrator.noise import Noise, pairs_per_start
 from orchestrator.policy import MAX_SAMPLES, Policy
 from orchestrator.prober import START_AT_ENV, WARMUP_ENV, Arm, ArmFailed, Prober, Sample, Verdict, failure
 from orchestrator.probes.runner import ProbeResult, ProcessResult, confine, kill_group, run_process
-from orchestrator.state_server import StateServer
+from orchestrator.state_server import ServerFailed, StateServer
 
 SIMULTANEOUS_LEAD = 3.0  # seconds from starting a simultaneous pair's probes to their common window
 # Fresh simultaneous servers run their first window slower, and not alike (first-use allocations, lazy imports):
@@ -88,6 +89,11 @@ class Pairing:
             if d is not None:
                 return Verdict(step_id, d, base_s, cand_s)
 
+    @contextmanager
+    def meanwhile(self, step_id: int | None, name: str, base: Arm, cand: Arm) -> Iterator[None]:
+        """Around the candidate's correctness probes (its state on disk before and after)."""
+        yield
+
     def begin(self, step_id: int | None, name: str, base: Arm, cand: Arm) -> None:
         """Before the first pair."""
 
@@ -137,7 +143,9 @@ class Together(Pairing):
         return arm.server
 
     def ensure(self, step_id: int | None, n: int, name: str, base: Arm, cand: Arm, fresh: bool) -> None:
-        """Both servers up (`fresh`: both restarted), the candidate's first; the candidate's state on disk after."""
+        """Both servers up (`fresh`: both restarted), the candidate's first; the candidate's state on disk after.
+        Where both arms are the state on disk (an A/A block) both start at once, their first probes waiting for them
+        (not where they sleep: one is awake at a time)."""
         if fresh:
             for arm in (cand, base):
                 if arm.server is not None:
@@ -149,7 +157,7 @@ class Together(Pairing):
                 continue
             if arm is base:
                 base.put_on_disk()
-            self.prober.start(arm, label, step_id, n, name)
+            self.prober.start(arm, label, step_id, n, name, wait=base.show is not None or self.mode == "sleeping")
             started = True
             if arm is base:
                 cand.put_on_disk()
@@ -157,16 +165,56 @@ class Together(Pairing):
             # a fresh pair's first windows run slower; a server filled once is warm by the end of its fill
             self.pair(step_id, WARM_UP_PAIR + n, name, base, cand, warm_up=True)
 
+    @contextmanager
+    def meanwhile(self, step_id, name, base, cand):
+        """The kept state's server, due a fresh start, starts while the candidate's correctness probes run on the
+        candidate's live server (a start costs seconds on a GPU): the kept state is on disk meanwhile, which the
+        probes, all aimed at that server, do not read. The candidate's state is on disk again afterwards."""
+        server = cand.server
+        aimed = server is not None and server.server is not None and all(
+            server.serves(s) for s in self.prober.correctness)
+        if (not aimed or not self.prober.throughput or base.show is None
+                or (not self.restarts(base) and base.server is not None and base.server.up)):
+            yield
+            return
+        try:
+            server.wait()  # it has read the candidate's state
+        except ServerFailed:
+            yield  # its correctness probe starts another, and fails as the probe it is
+            return
+        if base.server is not None:
+            base.server.stop()
+        self.arm_server(base)
+        base.put_on_disk()
+        try:
+            self.prober.start(base, "baseline", step_id, 0, name, wait=False)
+        except ArmFailed:
+            cand.put_on_disk()  # `ensure` starts it again, and fails as the arm it is
+            yield
+            return
+        try:
+            yield
+            try:
+                base.server.wait()  # it has read the kept state
+            except ServerFailed:
+                pass  # stopped: `ensure` starts another
+        finally:
+            cand.put_on_disk()
+
+    def restarts(self, arm: Arm) -> bool:
+        """Whether `begin` starts the arm's server afresh: simultaneous arms are both fresh, as the calibration
+        measures them; a server that has served only correctness probes is as fresh as a new one, and saves a
+        start."""
+        server = arm.server
+        return (self.mode == "simultaneous" and server is not None
+                and bool(server.samples or server.turns is not None))
+
     def begin(self, step_id, name, base, cand):
         if self.prober.disk.up:
             self.prober.release()  # whatever served the state on disk before has no part in this
-        if self.mode == "simultaneous":
-            # both arms fresh, as the calibration measures them; a candidate's server that has served only its
-            # correctness probes is as fresh as a new one, and saves a start
-            if base.server is not None:
-                base.server.stop()
-            if cand.server is not None and (cand.server.samples or cand.server.turns is not None):
-                cand.server.stop()
+        for arm in (base, cand):
+            if self.restarts(arm):
+                arm.server.stop()
         self.ensure(step_id, 0, name, base, cand, fresh=False)
 
     def new_block(self, step_id, n, name, base, cand):

@@ -323,7 +323,8 @@ class Stager:
                 cand.server.stop()
                 cand.server = None
             self.kept.release()  # one server at a time
-        failed = self.prober.failed_correctness(step_id, cand, "candidate", name)
+        with pairing.meanwhile(step_id, name, base, cand):
+            failed = self.prober.failed_correctness(step_id, cand, "candidate", name)
         if failed:
             spec, out = failed
             return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")

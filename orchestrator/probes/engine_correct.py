@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 from engine.config import KERNEL_KEYS, ConfigError, EngineConfig, key_ops, load_config
-from engine.llm import LLM
 from orchestrator.probes.reference import ProbeFailure, compare, read_reference, write_reference
 
 FORMAT = 1
@@ -81,7 +80,10 @@ def record(config: EngineConfig, path: Path) -> dict:
 
 def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
     """Greedy completions and the kernels chosen, from an engine that is freed before this returns:
-    at most one engine holds the card at a time, whatever the probe does next."""
+    at most one engine holds the card at a time, whatever the probe does next. (The engine is imported here:
+    the check of a live server, ``--served``, runs no engine and need not import torch.)"""
+    from engine.llm import LLM
+
     with LLM(config) as llm:
         return llm.generate(prompts, max_tokens), dict(llm.kernel_choice)
 

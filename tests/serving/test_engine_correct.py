@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import httpx
 import psutil
@@ -156,7 +157,9 @@ def test_at_most_one_engine_alive_and_kernel_checks_run_with_none(fp32_reference
     _, ref, root = fp32_reference
     live, peak, live_at_checks = [0], [0], []
 
-    class CountingLLM(engine_correct.LLM):
+    from engine.llm import LLM
+
+    class CountingLLM(LLM):
         def __init__(self, config):
             live[0] += 1
             peak[0] = max(peak[0], live[0])
@@ -173,7 +176,7 @@ def test_at_most_one_engine_alive_and_kernel_checks_run_with_none(fp32_reference
         live_at_checks.append(live[0])
         return real_run(self, choice)
 
-    monkeypatch.setattr(engine_correct, "LLM", CountingLLM)
+    monkeypatch.setattr("engine.llm.LLM", CountingLLM)
     monkeypatch.setattr(engine_correct.KernelChecks, "run", run)
     rc, out = probe(capsys, "--reference", str(ref), "--config", str(root / "serve.yaml"),
                     "--kernel-checks", "small")
@@ -274,3 +277,11 @@ def test_a_kernel_check_that_cannot_start_fails_the_probe_saying_why(server, tmp
     assert proc.returncode == 1 and not out["passed"], proc.stderr
     [check] = out["kernel_checks"]
     assert not check["passed"] and "cannot run the kernel check" in check["error"] and "no-such-check" in check["error"]
+
+
+def test_checking_a_live_servers_kernels_imports_no_torch():
+    """With --served the probe runs no engine: it asks the server which kernels it runs and starts their checks,
+    so its own start pays no torch import (seconds on a GPU host, once per candidate)."""
+    code = "import sys, orchestrator.probes.engine_correct; assert 'torch' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr

@@ -152,6 +152,11 @@ def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_second
     assert steps["wider-batch"]["outcome"] == "kept", steps["wider-batch"]
     [calibration] = query(tmp_path, "SELECT * FROM calibrations")
     assert calibration["pairing"] == "simultaneous"
+    for step in (s["id"] for s in steps.values() if s["plugin"].startswith("(A/A")):  # one state: both start at once
+        servers = {p["what"]: p for p in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
+                   if p["what"].startswith("live server")}
+        cand, base = servers["live server (candidate)"], servers["live server (baseline)"]
+        assert base["started"] < cand["ready"], servers
     samples = query(tmp_path, "SELECT * FROM measurements WHERE probe = 'serving' ORDER BY id")
     assert samples and all(s["ok"] for s in samples)
     pairs: dict[tuple, dict[str, dict]] = {}
@@ -181,6 +186,12 @@ def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_second
         [config] = [d for d in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
                     if d["what"] == "probe engine-config"]
         assert started[0]["started"] < config["ended"], (started, config)
+        # the kept state's fresh server started while the candidate's correctness probe ran on the candidate's
+        [correct] = [d for d in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
+                     if d["what"] == "probe engine-correct"]
+        [kept] = [d for d in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
+                  if d["what"] == "live server (baseline)"]
+        assert started[0]["ready"] <= kept["started"] < correct["ended"], (started, correct, kept)
     # a block's two drivers start together: the second before the first can have warmed up and filled its server
     fresh = [(step, p) for (step, _, _), p in pairs.items()
              if set(p) == {"baseline", "candidate"} and all(w["turn"] == 0 for w in p.values())]
