@@ -169,11 +169,12 @@ class Together(Pairing):
     def meanwhile(self, step_id, name, base, cand):
         """The kept state's server, due a fresh start, starts while the candidate's correctness probes run on the
         candidate's live server (a start costs seconds on a GPU): the kept state is on disk meanwhile, which the
-        probes, all aimed at that server, do not read. The candidate's state is on disk again afterwards."""
+        probes, all aimed at that server, do not read. The candidate's state is on disk again afterwards. Not where
+        servers sleep: there one is awake at a time."""
         server = cand.server
         aimed = server is not None and server.server is not None and all(
             server.serves(s) for s in self.prober.correctness)
-        if (not aimed or not self.prober.throughput or base.show is None
+        if (not aimed or not self.prober.throughput or base.show is None or self.mode == "sleeping"
                 or (not self.restarts(base) and base.server is not None and base.server.up)):
             yield
             return
