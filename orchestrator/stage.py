@@ -24,6 +24,7 @@ from orchestrator.reconcile import Reconciler, Unstacked
 from orchestrator.recovery import describe_left, undo
 from orchestrator.state_server import StateServer
 from orchestrator.steps import StepFailed, apply_all, check
+from orchestrator.targets.base import SIDE_BY_SIDE
 from orchestrator.store import dumps
 
 
@@ -290,7 +291,7 @@ class Stager:
         cand.holding, cand.show = [*kept_ids, plugin.id], lambda: self.journal.show(step_id, "post")
         read: dict | None = None
         pinned = self.run.pairing
-        if (pinned in ("coresident", "simultaneous") and self.prober.configuration
+        if (pinned in SIDE_BY_SIDE and self.prober.configuration
                 and self.run.project.policy.interleave and any(self.prober.serves(s) for s in self.prober.throughput)):
             # the candidate's own server starts while its configuration probe runs (a start costs seconds on a
             # GPU, and a server that served only the correctness probes serves the pairs too); a candidate that

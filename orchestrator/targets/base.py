@@ -11,6 +11,8 @@ from orchestrator.loading import STRICT, ConfigError
 if TYPE_CHECKING:
     from orchestrator.probes.live_server import LiveServer
 
+SIDE_BY_SIDE = ("coresident", "simultaneous")  # pairings whose two servers are awake at once (Target.pairing)
+
 
 class TargetConfig(BaseModel):
     """The `target:` section of orchestrator.yaml; each kind subclasses it with its own fields."""

@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer, engine_server_argv
 from orchestrator.probes.workload import Workload
-from orchestrator.targets.base import Target, TargetConfig
+from orchestrator.targets.base import SIDE_BY_SIDE, Target, TargetConfig
 
 
 def shipped_baseline() -> Path:
@@ -56,7 +56,6 @@ LIVE_PROMPT_LENGTHS = (1, 7, 16, 17, 33, 64, 150, 300, 601, 640, 700, 730, 777, 
 # Each of two servers living side by side on one GPU sizes its KV cache at this, not at a share of the card:
 # 16 GiB holds 800,000 tokens at 4 of the hybrid model's 40 layers, 80,000 at all 40.
 CORESIDENT_KV_MEMORY = 16 << 30
-SIDE_BY_SIDE = ("coresident", "simultaneous")  # pairings whose two servers are alive at once
 
 
 # glibc's allocator on a CPU, fixed: freed memory up to 32 MiB a block is kept and reused, not unmapped and
