@@ -12,7 +12,8 @@ the judge decides.
   most of the card). `simultaneous`: both samples of a pair measured at once from one agreed instant
   (START_AT_ENV), both servers on one core while the probes run on the others (Target.probe_cpus): the OS
   interleaves them every few milliseconds, so a core whose speed drifts by 10-20% within seconds slows both
-  alike. Where the servers are filled once (a GPU), both drivers are asked for a window at once.
+  alike. The kept state's fresh server starts aside, on a core of its own, and is moved there before its first
+  sample (Target.server_cpus). Where the servers are filled once (a GPU), both drivers are asked for a window at once.
 - `Reused`: `interleave: false`: the kept state's samples reused as the baseline arm, the candidate's taken one
   after the other (Welch's interval).
 - `Duet`: a screening worker and its partner (screening.py, policy `duet`), each with both states in a folder of
@@ -157,7 +158,8 @@ class Together(Pairing):
                 continue
             if arm is base:
                 base.put_on_disk()
-            self.prober.start(arm, label, step_id, n, name, wait=base.show is not None or self.mode == "sleeping")
+            self.prober.start(arm, label, step_id, n, name, wait=base.show is not None or self.mode == "sleeping",
+                              aside=arm is base and not cand.server.aside)
             started = True
             if arm is base:
                 cand.put_on_disk()
@@ -171,36 +173,42 @@ class Together(Pairing):
         candidate's live server (a start costs seconds on a GPU): the kept state is on disk meanwhile, which the
         probes, all aimed at that server, do not read. The candidate's state is on disk again afterwards. Not where
         servers sleep: there one is awake at a time."""
+        starting = self.prestart(step_id, name, base, cand)
+        try:
+            yield
+            if starting:
+                try:
+                    base.server.wait()  # it has read the kept state
+                except ServerFailed:
+                    pass  # stopped: `ensure` starts another
+        finally:
+            if starting:
+                cand.put_on_disk()
+
+    def prestart(self, step_id, name, base, cand) -> bool:
+        """Start the kept state's fresh server (aside, on the kept state put on disk) where `meanwhile` may:
+        whether it is starting. Where it cannot be started here, `ensure` starts it later, and fails as the arm
+        it is."""
         server = cand.server
         aimed = server is not None and server.server is not None and all(
             server.serves(s) for s in self.prober.correctness)
         if (not aimed or not self.prober.throughput or base.show is None or self.mode == "sleeping"
                 or (not self.restarts(base) and base.server is not None and base.server.up)):
-            yield
-            return
+            return False
         try:
             server.wait()  # it has read the candidate's state
         except ServerFailed:
-            yield  # its correctness probe starts another, and fails as the probe it is
-            return
+            return False  # its correctness probe starts another, and fails as the probe it is
         if base.server is not None:
             base.server.stop()
         self.arm_server(base)
         base.put_on_disk()
         try:
-            self.prober.start(base, "baseline", step_id, 0, name, wait=False)
+            self.prober.start(base, "baseline", step_id, 0, name, wait=False, aside=True)
         except ArmFailed:
-            cand.put_on_disk()  # `ensure` starts it again, and fails as the arm it is
-            yield
-            return
-        try:
-            yield
-            try:
-                base.server.wait()  # it has read the kept state
-            except ServerFailed:
-                pass  # stopped: `ensure` starts another
-        finally:
             cand.put_on_disk()
+            return False
+        return True
 
     def restarts(self, arm: Arm) -> bool:
         """Whether `begin` starts the arm's server afresh: simultaneous arms are both fresh, as the calibration
@@ -254,6 +262,7 @@ class Together(Pairing):
                 command = spec.command
                 if arm.server.serves(spec):
                     command, env = arm.server.aim(spec, env, step_id, label, plugin)
+                    arm.server.measured()
                 jobs[label] = (command, env)
             results = self.run_together(jobs, spec, step_id)
             for label, arm in arms.items():
@@ -281,6 +290,8 @@ class Together(Pairing):
                    for label, arm in arms.items()}
         for label, arm in arms.items():
             self.prober.filled(step_id, label, n, arm.server)
+        for arm in arms.values():
+            arm.server.measured()
         for driver in drivers.values():
             driver.ask()
         results = {label: driver.answer(spec.timeout) for label, driver in drivers.items()}

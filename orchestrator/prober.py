@@ -138,15 +138,17 @@ class Prober:
     def server_of(self, arm: Arm) -> StateServer:
         return arm.server if arm.server is not None else self.disk
 
-    def start(self, arm: Arm, label: str, step_id: int | None, repeat: int, plugin: str, wait: bool = True) -> None:
+    def start(self, arm: Arm, label: str, step_id: int | None, repeat: int, plugin: str, wait: bool = True,
+              aside: bool = False) -> None:
         """Start the arm's own server on its state, which is on disk; ArmFailed when it does not come up (without
-        `wait`, only when it cannot be started: the first probe aimed at it waits for its health)."""
+        `wait`, only when it cannot be started: the first probe aimed at it waits for its health). `aside`: see
+        StateServer.start."""
         spec = next((s for s in [*self.throughput, *self.correctness] if arm.server.serves(s)), None)
         if spec is None:
             return
         started = time.monotonic()
         try:
-            arm.server.start(self.env(spec, arm, repeat, plugin), step_id, label, plugin, wait=wait)
+            arm.server.start(self.env(spec, arm, repeat, plugin), step_id, label, plugin, wait=wait, aside=aside)
         except ServerFailed as e:
             out = self.server_failed(spec, e, step_id, label, repeat, time.monotonic() - started)
             raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}",

@@ -101,6 +101,11 @@ class Stager:
         arm.holding, arm.show = list(self.deployment.rows()), None
         if self.run.pairing != "sequential" and any(self.prober.serves(s) for s in self.prober.throughput):
             arm.server = StateServer(self.run, pinned=self.run.pairing)
+            if self.run.pairing in SIDE_BY_SIDE and self.prober.configuration:
+                try:  # it starts while the configuration probes run, as a candidate's does
+                    self.prober.start(arm, "baseline", None, 0, "baseline", wait=False)
+                except ArmFailed:
+                    arm.server = StateServer(self.run, pinned=self.run.pairing)  # its first probe starts another
         if self.prober.configuration:
             read, failed = self.prober.configuration_of(None, arm, "baseline", "baseline")
             if failed:

@@ -43,6 +43,7 @@ from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.probes.live_server import LiveServer, ServerFailed, log_name
 from orchestrator.probes.marks import marked_env, new_mark, sweep_mark
+from orchestrator.probes.runner import move
 from orchestrator.turns import Turns
 
 BASE_URL_ENV = "ORCHESTRATOR_BASE_URL"  # a user's probe with `server: true`: the live server to talk to
@@ -70,6 +71,7 @@ class StateServer:
         self.switches: list[tuple[int | None, str, float]] = []  # (step, "sleep" | "wake", seconds) of every life
         self.unchecked: set[str] = set()  # serving correctness probes due on it (sleeping pairing, above)
         self.turns: Turns | None = None  # its serving driver, where it is filled once (orchestrator/turns.py)
+        self.aside = False  # started on CPUs of its own, not yet moved for its samples (`measured`)
         self._healthy = False
         self._step_id: int | None = None
         self._mark = ""
@@ -113,14 +115,18 @@ class StateServer:
             return list(aimed[spec.name]["command"]), env
         return list(spec.command), {**env, BASE_URL_ENV: self.server.url, SERVER_PID_ENV: str(self.server.pid)}
 
-    def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str, wait: bool = True) -> None:
+    def start(self, env: dict[str, str], step_id: int | None, arm: str, label: str, wait: bool = True,
+              aside: bool = False) -> None:
         """Start a server of the state on disk; with `wait`, return once it is healthy (else the first `aim` or
-        `wait` waits: a pinned server can come up while something else runs, the configuration probe say)."""
+        `wait` waits: a pinned server can come up while something else runs, the configuration probe say).
+        `aside`: on the target's CPUs for a server not yet measured, until `measured` moves it."""
         hush(self.run, step_id, but=self)
         self.what, self._step_id = f"live server ({arm})", step_id
         self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
         server = self.target.live_server(marked_env(env, self._mark),
-                                         label=log_name(f"run{self.run.run_id}", label, arm), beside=self.pinned)
+                                         label=log_name(f"run{self.run.run_id}", label, arm), beside=self.pinned,
+                                         aside=aside)
+        self.aside = aside
         self.run.reporter.phase(label, f"starting the {self.what}")
         server.start()  # ServerFailed("crashed") when the command cannot be started: nothing runs then
         self.server = server
@@ -149,6 +155,16 @@ class StateServer:
             raise
         self._healthy = True
         self.run.store.process_ready(self.start_id)
+
+    def measured(self) -> None:
+        """Before its samples: a server started aside moved onto the CPUs where servers beside each other are
+        measured (Target.server_cpus), once it is healthy (it has pinned itself by then)."""
+        if not self.aside or self.server is None:
+            return
+        self.wait()
+        if cpus := self.target.server_cpus(self.pinned, measured=True):
+            move(self.server.pid, cpus)
+        self.aside = False
 
     def checks(self) -> set[str]:
         """The correctness probes that talk to this server."""
@@ -222,6 +238,7 @@ class StateServer:
         escaped the group (by its mark); returns once all are gone and the GPU memory is released."""
         self.end_turns()
         server, self.server = self.server, None
+        self.aside = False
         if server is None:
             return
         self.asleep = False

@@ -56,11 +56,13 @@ class Turns:
     def filled(self) -> ProcessResult | None:
         """Wait (at most the driver's timeout) until it has filled its server: None, or why it could not, the
         driver then stopped."""
-        if self.fill is None:
+        first = self.fill is None
+        if first:
             self.fill = self._answer(self._timeout)
-            if "filled" not in (self.fill.result or {}):
-                self.stop()
-        return None if "filled" in (self.fill.result or {}) else self.fill
+        failed = "filled" not in (self.fill.result or {})
+        if failed and first:
+            self.stop()
+        return self.fill if failed else None
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -157,6 +157,27 @@ def confine(pid: int, cpus: set[int] | None) -> None:
             pass
 
 
+def move(pid: int, cpus: set[int]) -> None:
+    """A running process and its descendants, every thread of each, onto `cpus` only (threads they start later
+    inherit it). Twice over, for threads started during the first pass by one not yet moved."""
+    for _ in range(2):
+        try:
+            procs = [psutil.Process(pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.Error:
+            return
+        for p in procs:
+            try:
+                threads = p.threads()
+            except psutil.Error:
+                continue
+            for t in threads:
+                try:
+                    os.sched_setaffinity(t.id, cpus)
+                except OSError:
+                    pass
+
+
 def kill_group(pid: int, pgid: int | None = None, create_time: float | None = None) -> bool:
     """Kill a process, its process group and every descendant (including ones that left the group); whether the
     process was there to kill."""

@@ -240,6 +240,8 @@ def described(result: dict, cached: float, source: str, cpu: float | None, base_
     result["client_cpu_seconds"] = time.process_time() - client_cpu
     if lag is not None:
         result["start_lag_seconds"] = lag  # how late after the agreed instant the window began
+    if args.server_pid:
+        result["server_cpus"] = server_cpus(args.server_pid)  # where the staging loop pinned it
     return with_cpu(with_score(result, cached, (args.output_weight, args.input_weight, args.cached_weight)), cpu)
 
 
@@ -261,6 +263,14 @@ def server_cpu_clock(args: argparse.Namespace, server: LiveServer | None = None)
     """The CPU clock of the server measured: the one this probe started, else the one ``--server-pid`` names."""
     clock = server or (RunningServer(args.server_pid) if args.server_pid else None)
     return clock.cpu_seconds if clock is not None else lambda: None
+
+
+def server_cpus(pid: int | None) -> list[int] | None:
+    """The CPUs the measured server runs on (the staging loop may pin it, and move it before its windows)."""
+    try:
+        return sorted(os.sched_getaffinity(pid)) if pid else None
+    except (OSError, AttributeError):
+        return None
 
 
 async def pair_workload(base_url: str, args: argparse.Namespace) -> tuple[str, Workload]:
@@ -315,7 +325,7 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
         try:
             fill_ended = await wait_for_fill(load.wave, load.outcomes, workload.fill_limit)
             fill = {"fill_seconds": time.perf_counter() - load.begin, "fill_prefilled": sum(map(prefilled, load.wave)),
-                    "fill_ended": fill_ended}
+                    "fill_ended": fill_ended, "fill_server_cpus": server_cpus(args.server_pid)}
             if args.warmup:
                 began = time.perf_counter()
                 await asyncio.sleep(max(WARM_SECONDS, workload.ramp))

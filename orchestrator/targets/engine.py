@@ -37,6 +37,12 @@ def shared_cpu() -> int | None:
     return cpus[0] if len(cpus) > 1 else None
 
 
+def spare_cpu() -> int | None:
+    """A core of its own for the other server of a simultaneous comparison until both are measured: the last this
+    process may use (one the probes' clients share); None where `shared_cpu` is."""
+    return sorted(os.sched_getaffinity(0))[-1] if shared_cpu() is not None else None
+
+
 SERVE_CONFIG = "serve.yaml"
 
 # On two CPU cores with the `tiny` preset: a window of a few seconds in the batched arms, prompts
@@ -259,17 +265,26 @@ class EngineTarget(Target):
         return True
 
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    beside: str | None = None) -> LiveServer:
+                    beside: str | None = None, aside: bool = False) -> LiveServer:
         """An unstarted engine server of the workspace's serve config (a free port on 127.0.0.1), its log
         kept under the state folder (the engine reads its serve config and loads its code at start, so it
         serves that state however the workspace changes afterwards). Beside a simultaneous arm it is pinned to
-        the one core both share; beside another on a GPU its KV cache is `coresident_kv_memory`."""
+        the one core both share (`aside`: to a core of its own until moved there); beside another on a GPU its
+        KV cache is `coresident_kv_memory`."""
         argv = engine_server_argv(str(self.workspace / SERVE_CONFIG))
-        if beside == "simultaneous" and (cpu := shared_cpu()) is not None:
-            argv += ["--cpu-affinity", str(cpu)]
+        if cpus := self.server_cpus(beside, measured=not aside):
+            argv += ["--cpu-affinity", *map(str, sorted(cpus))]
         if beside in SIDE_BY_SIDE and self.on_gpu():
             argv += ["--kv-cache-memory", str(self.config.coresident_kv_memory)]
         return LiveServer(argv, env=env, log_dir=self.server_logs, log_label=label)
+
+    def server_cpus(self, beside: str | None, measured: bool = True) -> set[int] | None:
+        """Both servers of a simultaneous comparison share one core while measured (the OS interleaves them finely,
+        so that a core's drift slows both alike); one started aside runs on a core of its own until then, so that
+        its start, its fill and the other's correctness probe do not halve each other's host time."""
+        if beside != "simultaneous" or (cpu := shared_cpu()) is None:
+            return None
+        return {cpu} if measured else {spare_cpu()}
 
     def probe_cpus(self) -> set[int] | None:
         if (cpu := shared_cpu()) is None:

@@ -170,6 +170,13 @@ def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_second
     assert all("warmup_seconds" in w for p in judged for w in p.values() if w["turn"] == 0)
     for p in judged:  # asked at once: the windows (1.5 s each) start within a fraction of one
         assert abs(p["baseline"]["window_started"] - p["candidate"]["window_started"]) < 0.5, p
+        # measured on one shared core, whichever cores their fills ran on
+        assert p["baseline"]["server_cpus"] == p["candidate"]["server_cpus"] and \
+            len(p["baseline"]["server_cpus"]) == 1, p
+    # the kept state's fresh server started aside: its fill ran on a core of its own, not halving the candidate's
+    filled = [p for p in judged if all(w["turn"] == 0 for w in p.values())]
+    assert filled and all(p["baseline"]["fill_server_cpus"] != p["candidate"]["fill_server_cpus"]
+                          for p in filled), [{a: w["fill_server_cpus"] for a, w in p.items()} for p in filled]
     drivers = [p for p in query(tmp_path, "SELECT * FROM processes") if p["what"] == "probe serving (turns)"]
     assert len(drivers) == sum(w["turn"] == 0 for p in pairs.values() for w in p.values())
     # the candidate's server that served its correctness probe serves its pairs: one start
@@ -192,6 +199,9 @@ def test_simultaneous_servers_filled_once_measure_each_pair_over_the_same_second
         [kept] = [d for d in query(tmp_path, f"SELECT * FROM processes WHERE step_id = {step}")
                   if d["what"] == "live server (baseline)"]
         assert started[0]["ready"] <= kept["started"] < correct["ended"], (started, correct, kept)
+    # the baseline's server started while its configuration probe ran, as a candidate's does
+    early = {p["what"]: p for p in query(tmp_path, "SELECT * FROM processes WHERE step_id IS NULL")}
+    assert early["live server (baseline)"]["started"] < early["probe engine-config"]["ended"], early
     # a block's two drivers start together: the second before the first can have warmed up and filled its server
     fresh = [(step, p) for (step, _, _), p in pairs.items()
              if set(p) == {"baseline", "candidate"} and all(w["turn"] == 0 for w in p.values())]
