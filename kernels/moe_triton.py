@@ -112,6 +112,9 @@ def _route_kernel(LOGITS, WEIGHTS, IDS, COUNTS, tokens, sl0, ROUTED: tl.constexp
 
 
 ALIGN_SUB = 128  # pairs a program of the stand-alone alignment counts and scatters
+# Up to this many histograms (256 tokens routed, a decode step's), each scatter program sums them itself instead
+# of a scan launch before it: a [16, 512] load a program, against a launch a layer.
+SCAN_IN_SCATTER = 16
 
 
 @triton.jit
@@ -145,15 +148,33 @@ def _align_scan_kernel(COUNTS, PAD, subs, E: tl.constexpr, E_PAD: tl.constexpr, 
 
 
 @triton.jit
-def _align_scatter_kernel(IDS, COUNTS, PAD, SORTED, BLOCK_EXPERT, numel, sub_pairs, num_blocks, blocks_per,
+def _align_scatter_kernel(IDS, COUNTS, PAD, SORTED, BLOCK_EXPERT, numel, sub_pairs, num_blocks, blocks_per, subs,
                           E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, SUB_PAD: tl.constexpr,
-                          CHUNK: tl.constexpr, TILE: tl.constexpr):
+                          CHUNK: tl.constexpr, TILE: tl.constexpr, SCAN: tl.constexpr):
     """Each of the program's `sub_pairs` pairs to its row: its expert's group start, the pairs of that expert in
     earlier programs, and those earlier in this program (pair order within an expert, as a stable sort), CHUNK
     pairs at a time against each earlier chunk (a [SUB_PAD, SUB_PAD] comparison at once spills registers at
     144 pairs). Then its share of the BLOCK_M-row blocks: each block's expert (-1 past the groups), and
-    ``numel`` in its rows that no pair takes."""
+    ``numel`` in its rows that no pair takes. With SCAN (a power of two, at least `subs`), each program first
+    takes from the raw histograms what `_align_scan_kernel` would give, into PAD rows of its own: one launch
+    less, for the few histograms of a decode step."""
     sub = tl.program_id(0)
+    if SCAN:
+        e = tl.arange(0, E_PAD)
+        r = tl.arange(0, SCAN)
+        counts = tl.load(COUNTS + r[:, None] * E_PAD + e[None, :], mask=(r < subs)[:, None], other=0)
+        total = tl.sum(counts, 0)
+        padded = tl.where(e < E, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        pad_end = tl.cumsum(padded, 0)
+        PAD += sub * 4 * E_PAD
+        tl.store(PAD + e, pad_end - padded)
+        tl.store(PAD + E_PAD + e, pad_end)
+        tl.store(PAD + 2 * E_PAD + e, total)
+        tl.store(PAD + 3 * E_PAD + e, tl.sum(tl.where((r < sub)[:, None], counts, 0), 0))
+        BEFORE = PAD + 3 * E_PAD
+        tl.debug_barrier()  # the rows just stored, read back by other threads of this program
+    else:
+        BEFORE = COUNTS + sub * E_PAD
     i = tl.arange(0, CHUNK)
     for c in tl.static_range(SUB_PAD // CHUNK):
         p = sub * sub_pairs + c * CHUNK + i
@@ -164,7 +185,7 @@ def _align_scatter_kernel(IDS, COUNTS, PAD, SORTED, BLOCK_EXPERT, numel, sub_pai
             q = sub * sub_pairs + j * CHUNK + i
             prior = tl.load(IDS + q, mask=(j * CHUNK + i < sub_pairs) & (q < numel), other=-1).to(tl.int32)
             earlier += tl.sum((prior[None, :] == ids[:, None]).to(tl.int32), 1)
-        row = tl.load(PAD + ids, mask=ok, other=0) + tl.load(COUNTS + sub * E_PAD + ids, mask=ok, other=0)
+        row = tl.load(PAD + ids, mask=ok, other=0) + tl.load(BEFORE + ids, mask=ok, other=0)
         tl.store(SORTED + row + earlier, p, mask=ok)
     e = tl.arange(0, E_PAD)
     pad_end = tl.load(PAD + E_PAD + e)
@@ -207,7 +228,8 @@ def align_triton(ids, num_experts: int, block_m: int, used_blocks: int | None = 
     """``routing.align_block_size`` (same outputs, same upper-bound sizes) in three launches: expert histograms
     of ALIGN_SUB pairs each, one program's prefix sums over them (16 histograms a step: the one program that
     walked every pair took 0.71 ms at 16,384 pairs on the H200), then each program's pairs scattered and its
-    share of the blocks labelled and padded. ``counts``: the histograms :func:`route_triton` took of ``ids``
+    share of the blocks labelled and padded; up to SCAN_IN_SCATTER histograms, the scatter programs take the
+    prefix sums themselves (two launches). ``counts``: the histograms :func:`route_triton` took of ``ids``
     [tokens, k], ROUTE_TOKENS tokens a row (the first launch saved). ``used_blocks`` (a bound of the blocks in
     use, :func:`used_blocks`) leaves the rows past them unwritten: nothing reads them, and at decode sizes
     they are most of the buffer."""
@@ -227,12 +249,15 @@ def align_triton(ids, num_experts: int, block_m: int, used_blocks: int | None = 
     else:
         sub_pairs = ROUTE_TOKENS * ids.shape[1]
     subs, bins = counts.shape
-    pad = torch.empty(3, bins, dtype=torch.int32, device=ids.device)
-    _align_scan_kernel[(1,)](counts, pad, subs, E=num_experts, E_PAD=bins, BLOCK_M=block_m, TILE=16, num_warps=8)
+    scan = max(2, triton_env.pow2(subs)) if subs <= SCAN_IN_SCATTER else 0
+    pad = torch.empty(subs if scan else 1, 4 if scan else 3, bins, dtype=torch.int32, device=ids.device)
+    if not scan:
+        _align_scan_kernel[(1,)](counts, pad, subs, E=num_experts, E_PAD=bins, BLOCK_M=block_m, TILE=16,
+                                 num_warps=8)
     _align_scatter_kernel[(subs,)](flat, counts, pad, sorted_pairs, block_expert, numel, sub_pairs, blocks,
-                                   triton.cdiv(blocks, subs), E=num_experts, E_PAD=bins, BLOCK_M=block_m,
+                                   triton.cdiv(blocks, subs), subs, E=num_experts, E_PAD=bins, BLOCK_M=block_m,
                                    SUB_PAD=triton_env.pow2(sub_pairs), CHUNK=min(64, triton_env.pow2(sub_pairs)),
-                                   TILE=16, num_warps=4)
+                                   TILE=16, SCAN=scan, num_warps=4)
     return sorted_pairs, block_expert
 
 

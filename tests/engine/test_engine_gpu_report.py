@@ -108,7 +108,9 @@ def test_cpu_smoke_run_of_the_gdn_section_counts_kernels_per_layer_and_times_the
     assert {(row["op"], row["prefill"]) for row in gdn["ops"]} == {
         (op, prefill) for op in ("causal_conv1d", "gdn_gating", "rms_norm_gated") for prefill in (False, True)}
     assert all(row["torch_ms"] > 0 and row["triton_ms"] > 0 and row["floor_ms"] > 0 for row in gdn["ops"])
-    assert "gdn-fused triton | 15 kernels (token mixer 6)" in p.stdout
+    # the alignment's prefix sums in its scatter launch at decode sizes; cuBLAS adds a split-K reduce to the router's
+    # GEMM on an H100 (15 there: the profile in BENCHMARKS.md)
+    assert "gdn-fused triton | 14 kernels (token mixer 6)" in p.stdout
 
 
 # the kernel names the profile section sorts: this project's Triton kernels, then names cuBLAS, CUTLASS

@@ -186,6 +186,30 @@ def test_triton_routing_and_alignment_match_the_torch_ones(tokens, experts, top_
                                                                                       block_expert0[:n])
 
 
+def test_a_decode_steps_alignment_takes_the_prefix_sums_in_its_scatter_launch(monkeypatch):
+    """Up to SCAN_IN_SCATTER routing programs' histograms (256 tokens) the scatter programs sum them themselves, and
+    no scan is launched; past that the scan runs first. The same rows either way as the stable sort."""
+    from kernels import moe_triton
+    scans = []
+
+    class Counted:
+        def __getitem__(self, grid):
+            scans.append(grid)
+            return original[grid]
+    original = moe_triton._align_scan_kernel
+    monkeypatch.setattr(moe_triton, "_align_scan_kernel", Counted())
+    for tokens, scanned in ((moe_triton.SCAN_IN_SCATTER * moe_triton.ROUTE_TOKENS, 0),
+                            (moe_triton.SCAN_IN_SCATTER * moe_triton.ROUTE_TOKENS + 1, 1)):
+        args = inputs.moe(tokens, hidden=16, experts=32, intermediate=8, top_k=4, seed=tokens)
+        scans.clear()
+        _, pairs, block_expert, blocks = moe_triton.route_and_align(args["router_logits"], 4, True, 0, 16)
+        _, ids0 = routing.route(args["router_logits"], 4, True, 0)
+        pairs0, block_expert0 = routing.align_block_size(ids0, 32, 16)
+        assert len(scans) == scanned, (tokens, scans)
+        assert torch.equal(pairs[:blocks * 16], pairs0[:blocks * 16]) and torch.equal(block_expert[:blocks],
+                                                                                    block_expert0[:blocks])
+
+
 @pytest.mark.parametrize("variant", ["reference", "gather", "sorted", "triton"])
 def test_a_shared_expert_is_the_gated_dense_mlp_added_to_the_routed_ones(variant):
     """shared_experts=1 equals the routed MoE plus sigmoid(gate logit) x the last expert's MLP."""
