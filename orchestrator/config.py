@@ -149,14 +149,15 @@ def embedded_default(cwd: Path, engine: dict[str, Any] | None = None) -> Project
     engine = engine or {}
     # On a GPU each sample is 10 s of steady state, and the candidate's server and the kept state's live side by
     # side and are measured at once (pairing.py, simultaneous): an A/A calibration of the first kept state comes
-    # before the first plugin judged against it (four fresh servers, two pairs each; the seed's baseline runs one
-    # sequence at a time, unlike any state after `max-num-seqs-256`), and the judge counts the start effects it
-    # finds; a large effect is decided in two pairs, a change of no effect is rolled back within four. On a CPU a
+    # before the first plugin judged against it (three fresh servers, two pairs each, about 50 s a block there; the
+    # seed's baseline runs one sequence at a time, unlike any state after `max-num-seqs-256`), and the judge counts
+    # the start effects it finds; a large effect is decided in two pairs, a change of no effect is rolled back within
+    # four. `orchestrator calibrate --starts 10` measures the same spreads more closely where time allows. On a CPU a
     # serving sample varies by 10-17% (the shared cores' speed: BENCHMARKS.md), so only effects of 15% or more are
     # decided there, in up to ten simultaneous pairs; a change that runs nothing different on the machine is decided
     # unmeasured by the configuration probe.
     on_gpu = str(engine.get("device", "")).startswith("cuda")
-    policy = ({"repeats": 2, "min_pairs": 2, "max_pairs": 4, "calibrate": {"starts": 4, "pairs": 2, "at": "first_keep"}} if on_gpu
+    policy = ({"repeats": 2, "min_pairs": 2, "max_pairs": 4, "calibrate": {"starts": 3, "pairs": 2, "at": "first_keep"}} if on_gpu
               else {"min_pairs": 3, "max_pairs": 10})
     data = {
         "target": {"kind": "engine", **engine},
