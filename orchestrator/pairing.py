@@ -13,7 +13,8 @@ the judge decides.
   (START_AT_ENV), both servers on one core while the probes run on the others (Target.probe_cpus): the OS
   interleaves them every few milliseconds, so a core whose speed drifts by 10-20% within seconds slows both
   alike. The kept state's fresh server starts aside, on a core of its own, and is moved there before its first
-  sample (Target.server_cpus). Where the servers are filled once (a GPU), both drivers are asked for a window at once.
+  sample (Target.server_cpus). Where the servers are filled once (a GPU), both drivers are asked for a window
+  at once.
 - `Reused`: `interleave: false`: the kept state's samples reused as the baseline arm, the candidate's taken one
   after the other (Welch's interval).
 - `Duet`: a screening worker and its partner (screening.py, policy `duet`), each with both states in a folder of
@@ -171,9 +172,9 @@ class Together(Pairing):
     @contextmanager
     def meanwhile(self, step_id, name, base, cand):
         """The kept state's server, due a fresh start, starts (and where servers are filled once, fills) while the
-        candidate's correctness probes run on the candidate's live server (a start costs seconds on a GPU): the kept state is on disk meanwhile, which the
-        probes, all aimed at that server, do not read. The candidate's state is on disk again afterwards. Not where
-        servers sleep: there one is awake at a time."""
+        candidate's correctness probes run on the candidate's live server (a start costs seconds on a GPU): the
+        kept state is on disk meanwhile, which the probes, all aimed at that server, do not read. The candidate's
+        state is on disk again afterwards. Not where servers sleep: there one is awake at a time."""
         starting = self.prestart(step_id, name, base, cand)
         try:
             yield
@@ -188,8 +189,8 @@ class Together(Pairing):
 
     def prestart(self, step_id, name, base, cand) -> bool:
         """Start the kept state's fresh server (aside, on the kept state put on disk) where `meanwhile` may, and
-        where it is filled once its driver: whether it is starting. Where it cannot be started here, `ensure` starts it later, and fails as the arm
-        it is."""
+        where it is filled once its driver: whether it is starting. Where it cannot be started here, `ensure`
+        starts it later, and fails as the arm it is."""
         server = cand.server
         aimed = server is not None and server.server is not None and all(
             server.serves(s) for s in self.prober.correctness)
