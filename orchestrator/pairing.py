@@ -133,7 +133,6 @@ class Together(Pairing):
     def __init__(self, prober: Prober, policy: Policy, noise: Noise | None = None, mode: str = "coresident"):
         super().__init__(prober, policy, noise)
         self.mode = mode
-        self.filling: StateServer | None = None  # the kept state's server whose fill `prestart` began
 
     def per_block(self) -> int:
         if not self.policy.pairs_per_start and self.noise is None and self.mode == "simultaneous":
@@ -171,10 +170,10 @@ class Together(Pairing):
 
     @contextmanager
     def meanwhile(self, step_id, name, base, cand):
-        """The kept state's server, due a fresh start, starts (and where servers are filled once, fills) while the
-        candidate's correctness probes run on the candidate's live server (a start costs seconds on a GPU): the
-        kept state is on disk meanwhile, which the probes, all aimed at that server, do not read. The candidate's
-        state is on disk again afterwards. Not where servers sleep: there one is awake at a time."""
+        """The kept state's server, due a fresh start, starts while the candidate's correctness probes run on the
+        candidate's live server (a start costs seconds on a GPU): the kept state is on disk meanwhile, which the
+        probes, all aimed at that server, do not read. The candidate's state is on disk again afterwards. Not where
+        servers sleep: there one is awake at a time."""
         starting = self.prestart(step_id, name, base, cand)
         try:
             yield
@@ -188,9 +187,10 @@ class Together(Pairing):
                 cand.put_on_disk()
 
     def prestart(self, step_id, name, base, cand) -> bool:
-        """Start the kept state's fresh server (aside, on the kept state put on disk) where `meanwhile` may, and
-        where it is filled once its driver: whether it is starting. Where it cannot be started here, `ensure`
-        starts it later, and fails as the arm it is."""
+        """Start the kept state's fresh server (aside, on the kept state put on disk) where `meanwhile` may:
+        whether it is starting. Where it cannot be started here, `ensure` starts it later, and fails as the arm
+        it is. Its fill waits for the candidate's, so that both fill and pause alike, as the A/A blocks do: the
+        first window after a fresh fill has measured apart from the second (BENCHMARKS.md)."""
         server = cand.server
         aimed = server is not None and server.server is not None and all(
             server.serves(s) for s in self.prober.correctness)
@@ -210,20 +210,14 @@ class Together(Pairing):
         except ArmFailed:
             cand.put_on_disk()
             return False
-        if self.prober.in_turns(base.server):
-            try:  # and its fill, as soon as it is up (the driver waits for its health), beside the probes
-                self.prober.driver(step_id, base, "baseline", 0, name, base.server, {WARMUP_ENV: "1"}, wait=False)
-                self.filling = base.server
-            except ArmFailed:
-                pass  # the first pair starts another, and fails as the arm it is
         return True
 
     def restarts(self, arm: Arm) -> bool:
         """Whether `begin` starts the arm's server afresh: simultaneous arms are both fresh, as the calibration
-        measures them; a server that has served only correctness probes, or the fill `prestart` began for this
-        comparison, is as fresh as a new one, and saves a start."""
+        measures them; a server that has served only correctness probes is as fresh as a new one, and saves a
+        start."""
         server = arm.server
-        return (self.mode == "simultaneous" and server is not None and server is not self.filling
+        return (self.mode == "simultaneous" and server is not None
                 and bool(server.samples or server.turns is not None))
 
     def begin(self, step_id, name, base, cand):

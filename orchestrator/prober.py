@@ -244,10 +244,9 @@ class Prober:
         return server.fills_once and len(self.throughput) == 1 and self.throughput[0].name in server.shared
 
     def driver(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer,
-               extra_env: dict[str, str], wait: bool = True) -> Turns:
+               extra_env: dict[str, str]) -> Turns:
         """The serving driver of the arm's server, started (and the server with it where none is up) at the
-        server's first sample; `filled` waits for its fill. Without `wait` the server may still be starting: the
-        driver waits for its health."""
+        server's first sample; `filled` waits for its fill."""
         spec = self.throughput[0]
         if server.turns is not None and not server.up:
             server.end_turns()
@@ -255,7 +254,7 @@ class Prober:
             env = {**self.env(spec, arm, 0, plugin), **extra_env}  # one stream of prompts for the server's life
             started = time.monotonic()
             try:
-                command, env = server.aim(spec, env, step_id, label, plugin, wait=wait)
+                command, env = server.aim(spec, env, step_id, label, plugin)
             except ServerFailed as e:
                 out = self.server_failed(spec, e, step_id, label, repeat, time.monotonic() - started)
                 raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}",

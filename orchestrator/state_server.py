@@ -96,11 +96,11 @@ class StateServer:
         return self.server is not None and self.server.exited() is None
 
     def aim(self, spec: ProbeSpec, env: dict[str, str], step_id: int | None, arm: str,
-            label: str, wait: bool = True) -> tuple[list[str], dict[str, str]]:
+            label: str) -> tuple[list[str], dict[str, str]]:
         """`spec`'s command and environment aimed at this live server, started first when none is up (with
         `env`, the probe environment of its state, which must then be on disk). ServerFailed ("crashed" or
         "timeout", with its log's tail) when it cannot be started or does not become healthy; it is stopped
-        then. Without `wait`, for a probe that waits for the server's health itself, it may still be starting."""
+        then."""
         self.end_turns()  # anything else that talks to it finds it running, not paused mid-stream
         if self.server is not None and (code := self.server.exited()) is not None:
             self.run.store.event(self.run.run_id, "warning", f"the {self.what} of {label} exited with code {code} "
@@ -108,8 +108,7 @@ class StateServer:
             self.stop()
         if self.server is None:
             self.start(env, step_id, arm, label)
-        if wait:
-            self.wait()
+        self.wait()
         self.rouse(step_id)
         if spec.name in self.shared:
             aimed = {s["name"]: s for s in self.target.probes_against(self.server.url, self.server.pid)}
