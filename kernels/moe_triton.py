@@ -161,8 +161,8 @@ def _align_scatter_kernel(IDS, COUNTS, PAD, SORTED, BLOCK_EXPERT, numel, sub_pai
     sub = tl.program_id(0)
     if SCAN:
         e = tl.arange(0, E_PAD)
-        r = tl.arange(0, SCAN)
-        counts = tl.load(COUNTS + r[:, None] * E_PAD + e[None, :], mask=(r < subs)[:, None], other=0)
+        h = tl.arange(0, SCAN)  # the histograms' rows
+        counts = tl.load(COUNTS + h[:, None] * E_PAD + e[None, :], mask=(h < subs)[:, None], other=0)
         total = tl.sum(counts, 0)
         padded = tl.where(e < E, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
         pad_end = tl.cumsum(padded, 0)
@@ -170,7 +170,7 @@ def _align_scatter_kernel(IDS, COUNTS, PAD, SORTED, BLOCK_EXPERT, numel, sub_pai
         tl.store(PAD + e, pad_end - padded)
         tl.store(PAD + E_PAD + e, pad_end)
         tl.store(PAD + 2 * E_PAD + e, total)
-        tl.store(PAD + 3 * E_PAD + e, tl.sum(tl.where((r < sub)[:, None], counts, 0), 0))
+        tl.store(PAD + 3 * E_PAD + e, tl.sum(tl.where((h < sub)[:, None], counts, 0), 0))
         BEFORE = PAD + 3 * E_PAD
         tl.debug_barrier()  # the rows just stored, read back by other threads of this program
     else:
