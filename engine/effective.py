@@ -79,6 +79,10 @@ def effective(config: EngineConfig, max_context: int | None = None) -> dict[str,
         out["kv-cache-memory"] = budget
         ignored["gpu-memory-utilization"] = ("the cache is sized by kv-cache-memory" if device.type == "cuda"
                                              else f"the cache is sized by kv-cache-memory on {device.type}")
+    if config.hf.is_hybrid:
+        out["mamba-ssm-cache-dtype"] = str(config.state_dtype()).removeprefix("torch.")
+    elif config.mamba_ssm_cache_dtype != "auto":
+        ignored["mamba-ssm-cache-dtype"] = "the model has no Gated DeltaNet layer: no recurrent state"
     if device.type == "cuda":
         out["cuda-graphs"] = config.cuda_graphs
     else:

@@ -140,3 +140,42 @@ def test_the_cache_holds_every_sequence_only_past_a_pessimistic_count_of_the_res
     assert cache_holds_all(config, 2, int(card) + gib // 64, 1201)
     assert not cache_holds_all(config, 2, int(card) - gib // 64, 1201)
     assert not cache_holds_all(load_config({**QWEN4, "max-num-seqs": 512}), 2, int(card) + gib // 64, 1201)
+
+
+# Each serve-config key, changed from the hybrid base below: a key missing here fails the test, so a key the
+# engine gains cannot be left out of its effective configuration unnoticed (the configuration probe would then
+# roll a real change back unmeasured, as `mamba-ssm-cache-dtype` once was on a GPU).
+HYBRID = {**BASE, "model": "tiny-hybrid", "max-model-len": 4096, "decode-long-threshold": 1024}
+CHANGES = {
+    "model": "tiny", "num_layers": 8, "dtype": "bfloat16", "seed": 1, "max_num_seqs": 8,
+    "max_num_batched_tokens": 4096, "gpu_memory_utilization": 0.5, "kv_cache_memory": 1 << 28, "block_size": 32,
+    "enable_prefix_caching": False, "max_model_len": 2048, "attention_decode": "v2", "attention_decode_long": "v2",
+    "decode_long_threshold": 2048, "attention_prefill": "pregather", "prefill_block_m": 32, "prefill_block_n": 32,
+    "prefill_num_warps": 4, "moe_dispatch": "sorted", "gdn_prefill": "recurrent", "gdn_decode": "chunk",
+    "gdn_fused": ["triton", "torch"], "mamba_ssm_cache_dtype": "bfloat16", "rms_norm": ["triton", "torch"], "qk_norm_rope": ["triton", "torch"],
+    "cuda_graphs": True, "stream_interval": 4,
+}
+NOT_ON_A_CPU = {"device": "the device itself: effective() describes the one it runs on"}
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_every_serve_config_key_changes_the_configuration_or_is_ignored_with_a_reason(field):
+    from dataclasses import fields
+
+    from engine.config import EngineConfig
+
+    assert {f.name for f in fields(EngineConfig)} == set(CHANGES) | set(NOT_ON_A_CPU)
+    key = field.replace("_", "-")
+    base = effective(load_config(HYBRID))
+    cand = effective(load_config({**HYBRID, key: CHANGES[field]}))
+    why = cand["ignored"].get(key) or base["ignored"].get(key)  # either side may be the one that runs nothing
+    assert cand["configuration"] != base["configuration"] or why, f"{key}: changed, but neither differs nor ignored"
+
+
+def test_the_recurrent_state_dtype_is_part_of_a_hybrid_models_configuration_and_ignored_elsewhere():
+    base, cand = run({"mamba-ssm-cache-dtype": "bfloat16"}, HYBRID)
+    assert (base["mamba-ssm-cache-dtype"], cand["configuration"]["mamba-ssm-cache-dtype"]) == ("float32", "bfloat16")
+    base, cand = run({"mamba-ssm-cache-dtype": "float32"}, HYBRID)  # what the model declares: the same state
+    assert cand["configuration"] == base
+    base, cand = run({"mamba-ssm-cache-dtype": "bfloat16"})  # a dense model holds no such state
+    assert cand["configuration"] == base and "no Gated DeltaNet layer" in cand["ignored"]["mamba-ssm-cache-dtype"]
