@@ -1,4 +1,4 @@
-"""Fills a per-plugin column of README.md ("measured on the H200 engine" unless `--column` names another) from
+"""Fills a per-plugin column of README.md ("measured on the GPU engine" unless `--column` names another) from
 a run's `orchestrator status --json`.
 
     python -m benchmarks.readme_table benchmarks/h200-main-job/status-2026-12-03.json [--readme README.md]
@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-COLUMN = "measured on the H200 engine"
+COLUMN = "measured on the GPU engine"
 
 
 def pct(value: float | None) -> str:

@@ -1,4 +1,4 @@
-"""README's "measured on the H200 engine" column is filled from a run's `status --json`, never by hand."""
+"""README's "measured on the GPU engine" column is filled from a run's `status --json`, never by hand."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from benchmarks import readme_table
 
 README = """# title
 
-| plugin | on the engine | measured on the H200 engine |
+| plugin | on the engine | measured on the GPU engine |
 |---|---|---|
 | `alpha` | a | old a |
 | `beta` | b | old b |
@@ -44,8 +44,8 @@ def test_cells_come_from_the_decisions_and_other_rows_stay(tmp_path):
 
 
 def test_another_column_and_the_unmeasured_decisions(tmp_path):
-    text = README.replace("| plugin | on the engine | measured on the H200 engine |",
-                          "| plugin | decided on the CPU | measured on the H200 engine |")
+    text = README.replace("| plugin | on the engine | measured on the GPU engine |",
+                          "| plugin | decided on the CPU | measured on the GPU engine |")
     status = {"run": {}, "baseline": {}, "steps": [
         step("alpha", "rolled_back", "no_gain", None, {"rule": "configuration", "n_candidate": 0}),
         step("beta", "rolled_back", "regressed"),
