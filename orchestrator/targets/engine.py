@@ -27,20 +27,15 @@ def shipped_baseline() -> Path:
     return Path(str(importlib.resources.files("engine").joinpath("configs", "baseline.yaml")))
 
 
-def shared_cpu() -> int | None:
-    """The core both servers of a simultaneous comparison run on: the first this process may use, leaving
-    the others to the probes' clients; None where affinity cannot be set or only one core is there."""
+def cores() -> tuple[int, int] | None:
+    """(shared, spare): the core both servers of a simultaneous comparison run on while measured, the first this
+    process may use, and the one a server started aside runs on until then, the last (the probes' clients use every
+    core but the first). None where affinity cannot be set or only one core is there."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return None
-    return cpus[0] if len(cpus) > 1 else None
-
-
-def spare_cpu() -> int | None:
-    """A core of its own for the other server of a simultaneous comparison until both are measured: the last this
-    process may use (one the probes' clients share); None where `shared_cpu` is."""
-    return sorted(os.sched_getaffinity(0))[-1] if shared_cpu() is not None else None
+    return (cpus[0], cpus[-1]) if len(cpus) > 1 else None
 
 
 SERVE_CONFIG = "serve.yaml"
@@ -282,14 +277,14 @@ class EngineTarget(Target):
         """Both servers of a simultaneous comparison share one core while measured (the OS interleaves them finely,
         so that a core's drift slows both alike); one started aside runs on a core of its own until then, so that
         its start, its fill and the other's correctness probe do not halve each other's host time."""
-        if beside != "simultaneous" or (cpu := shared_cpu()) is None:
+        if beside != "simultaneous" or (both := cores()) is None:
             return None
-        return {cpu} if measured else {spare_cpu()}
+        return {both[0] if measured else both[1]}
 
     def probe_cpus(self) -> set[int] | None:
-        if (cpu := shared_cpu()) is None:
+        if (both := cores()) is None:
             return None
-        return set(os.sched_getaffinity(0)) - {cpu}
+        return set(os.sched_getaffinity(0)) - {both[0]}
 
     def pairing(self) -> str:
         arms = self.config.arms
