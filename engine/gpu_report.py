@@ -320,6 +320,27 @@ def section_moe(args, copy_gbps: float, mm_tflops: float) -> None:
         del a
         torch.cuda.empty_cache()
     RESULTS["moe"] = rows
+    RESULTS["moe_routing"] = _routing_rows()
+
+
+def _routing_rows() -> list[dict]:
+    """Routing and alignment at the engine's decode batches with its shared expert folded in (257 router logits a
+    token), replayed: rows of logits 514 bytes apart, as an unpadded router gives them, against rows 16-byte
+    aligned (engine.layers.moe pads the router), which alone let Triton vectorise the routing kernel's loads."""
+    from kernels import moe_triton
+    rows = []
+    experts = bench.MOE["experts"] + 1
+    for t in (128, 200):
+        row = dict(tokens=t)
+        for label, width in (("unaligned", experts), ("aligned", -(-experts // 16) * 16)):
+            logits = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)[:, :experts]
+            row[f"{label}_ms"] = _ms(lambda lg=logits: moe_triton.route_and_align(lg, bench.MOE["top_k"], True, 1, 16),
+                                     True)
+        rows.append(row)
+        if row["unaligned_ms"] and row["aligned_ms"]:
+            summary(f"MoE routing + alignment, {t} tokens, shared expert (graph replay)",
+                    f"rows 16-byte aligned {row['aligned_ms'] * 1e3:.1f} us, unaligned {row['unaligned_ms'] * 1e3:.1f} us")
+    return rows
 
 
 def _per_kernel_ms(fn, calls: int = 5) -> dict[str, float]:

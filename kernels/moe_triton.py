@@ -207,7 +207,9 @@ CONFIG_DIR = Path(__file__).with_name("moe_configs")
 
 def route_triton(router_logits, top_k: int, renormalize: bool, shared_experts: int = 0, counts=None):
     """(weights float32, expert ids int32), [tokens, top_k + shared_experts], in one launch; with ``counts``
-    (int32 [ceil(tokens / ROUTE_TOKENS), :func:`alignment_bins`]), each program's expert histogram too."""
+    (int32 [ceil(tokens / ROUTE_TOKENS), :func:`alignment_bins`]), each program's expert histogram too. Rows of
+    ``router_logits`` 16-byte aligned run it fastest: otherwise Triton loads them element by element and lays the
+    tile out so that the top-k's reductions cross warps (engine.layers.moe pads its router for that)."""
     tokens, total = router_logits.shape
     routed, k = total - shared_experts, top_k + shared_experts
     weights = torch.empty(tokens, k, dtype=torch.float32, device=router_logits.device)
