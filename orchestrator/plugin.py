@@ -4,6 +4,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -358,6 +359,11 @@ def numerics_env(plugins: Iterable[Plugin]) -> dict[str, str]:
     correctness probe then compares by agreement instead of equality. Empty when none does."""
     ids = [p.id for p in plugins if p.manifest.changes_numerics]
     return {NUMERICS_ENV: ",".join(ids)} if ids else {}
+
+
+def declared_numerics() -> list[str]:
+    """In a probe: the plugins of the state it judges that declare ``changes_numerics`` (from NUMERICS_ENV)."""
+    return [p for p in os.environ.get(NUMERICS_ENV, "").split(",") if p.strip()]
 
 
 def schema() -> dict[str, Any]:

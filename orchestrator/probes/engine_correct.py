@@ -7,7 +7,8 @@ fixed prompt set, and every kernel variant it runs must pass ``kernels.check``.
 The reference completions are recorded on the first run, from the same model with every kernel
 key set to the float64 ``reference`` variant, so they are right whichever config first asks for
 them; later runs compare against the stored file. Float32 on the reference's device must match
-exactly on the CPU. Elsewhere kernels round differently and a random model has near-ties, so
+exactly on the CPU, unless a plugin of the state declares that it changes numerics (``changes_numerics``, named
+in ORCHESTRATOR_CHANGES_NUMERICS: a 16-bit recurrent state), which is judged by agreement. Elsewhere kernels round differently and a random model has near-ties, so
 there a prompt "diverges early" when it differs within its first ``--early-tokens`` tokens, and
 the probe fails when more than ``--max-early-fraction`` of the prompts do: a wrong kernel makes
 every prompt it touches diverge at once (see docs/serving.md for the measurements).
@@ -30,6 +31,7 @@ import sys
 from pathlib import Path
 
 from engine.config import KERNEL_KEYS, ConfigError, EngineConfig, key_ops, load_config
+from orchestrator.plugin import declared_numerics
 from orchestrator.probes.reference import ProbeFailure, compare, read_reference, write_reference
 
 FORMAT = 1
@@ -189,14 +191,16 @@ def judge(reference: dict, config: EngineConfig, args: argparse.Namespace,
         if reference.get(key) != mine[key]:
             raise ProbeFailure(f"{args.reference}: recorded for {key} {reference.get(key)!r}, the "
                                f"candidate has {mine[key]!r}; remove the file to record anew")
-    exact = reference["dtype"] == mine["dtype"] == "float32" and reference["device"] == mine["device"] == "cpu"
+    declared = declared_numerics()
+    exact = (reference["dtype"] == mine["dtype"] == "float32" and reference["device"] == mine["device"] == "cpu"
+             and not declared)
     prompts, max_tokens = reference["prompts"], reference["max_tokens"]
     # Pass "as configured" is the deployment itself; when its decode-long-threshold sends no
     # prompt to attention-decode-long, a second pass at LONG_SPLIT runs that kernel end to end too.
     passes = {"as_configured": fit(config, prompts, max_tokens)}
     if config.decode_long_threshold >= max(map(len, prompts)) + max_tokens:
         passes["long_decode"] = fit(config, prompts, max_tokens, decode_long_threshold=LONG_SPLIT)
-    result: dict = {"mode": "exact" if exact else "agreement", "passes": {}}
+    result: dict = {"mode": "exact" if exact else "agreement", "changes_numerics": declared, "passes": {}}
     choice: dict[str, str] = {}
     for name, cfg in passes.items():
         try:

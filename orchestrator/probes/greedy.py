@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from orchestrator.plugin import NUMERICS_ENV
+from orchestrator.plugin import NUMERICS_ENV, declared_numerics
 from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, on_sigterm, server_label,
                                              wait_healthy)
 from orchestrator.probes.reference import ProbeFailure, compare, read_reference, write_reference
@@ -101,7 +101,7 @@ def may_record() -> bool:
 
 def mode_of(args: argparse.Namespace) -> tuple[str, list[str]]:
     """(exact | agreement, the plugins said to change numerics)."""
-    declared = [p for p in os.environ.get(NUMERICS_ENV, "").split(",") if p.strip()]
+    declared = declared_numerics()
     if args.mode != "auto":
         return args.mode, declared
     return ("agreement" if declared else "exact"), declared

@@ -107,6 +107,29 @@ def test_bfloat16_threshold_passes_the_right_kernels_and_catches_the_wrong_one(t
     assert "of prompts diverge within 4 tokens (at most 25% allowed)" in bad["error"]
 
 
+def test_a_plugin_that_declares_new_numerics_is_judged_by_agreement_even_in_float32(tmp_path, capsys, monkeypatch):
+    """A 16-bit recurrent state (ssm-state-bf16) changes float32 greedy tokens on the CPU: exact equality fails it,
+    as for an undeclared change; declared in ORCHESTRATOR_CHANGES_NUMERICS it is judged by agreement, and passes."""
+    from orchestrator.plugin import NUMERICS_ENV
+
+    hybrid = "model: tiny-hybrid\ndevice: cpu\ndtype: float32\nkv-cache-memory: 16777216\nmax-model-len: 256\n"
+    ref = tmp_path / "ref.json"
+    rc, _ = probe(capsys, "--reference", str(ref), "--config", str(write_config(tmp_path / "base", hybrid)),
+                  "--kernel-checks", "none")
+    assert rc == 0
+    before = ref.read_bytes()
+    cand = str(write_config(tmp_path / "cand", hybrid + "mamba-ssm-cache-dtype: bfloat16\n"))
+    monkeypatch.delenv(NUMERICS_ENV, raising=False)
+    rc, exact = probe(capsys, "--reference", str(ref), "--config", cand, "--kernel-checks", "none")
+    assert rc == 1 and exact["mode"] == "exact" and "outputs differ from the reference" in exact["error"]
+    monkeypatch.setenv(NUMERICS_ENV, "ssm-state-bf16")
+    rc, agreed = probe(capsys, "--reference", str(ref), "--config", cand, "--kernel-checks", "none")
+    assert agreed["mode"] == "agreement" and agreed["changes_numerics"] == ["ssm-state-bf16"]
+    assert rc == 0 and agreed["passed"], agreed
+    assert not all(p["exact"] for p in agreed["passes"].values())  # it did change tokens
+    assert ref.read_bytes() == before
+
+
 def test_reference_of_another_model_is_refused_and_kept(fp32_reference, tmp_path, capsys):
     _, ref, _ = fp32_reference
     before = ref.read_bytes()
