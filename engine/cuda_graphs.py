@@ -22,6 +22,7 @@ import logging
 import torch
 
 from engine.attention_metadata import AttentionMetadata, DecodeGroup
+from engine.layers.sampler import greedy_ids
 from engine.scheduler import ScheduledSeq
 from engine.state_cache import decode_only
 
@@ -123,8 +124,7 @@ class DecodeGraphs:
         """Model, LM head and greedy choice over the first ``rows`` static rows."""
         inp = self.inputs
         hidden = self.model(inp.meta[IDS, :rows], inp.meta[POSITIONS, :rows], inp.metadata(rows))
-        # argmax over the logits' own dtype: converting them to float32 first picks the same index
-        inp.tokens[:rows].copy_(self.model.compute_logits(hidden).argmax(dim=-1))
+        inp.tokens[:rows].copy_(greedy_ids(self.model.compute_logits(hidden)))
 
     @torch.no_grad()
     def _capture(self) -> None:
