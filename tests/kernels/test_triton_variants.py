@@ -186,6 +186,21 @@ def test_triton_routing_and_alignment_match_the_torch_ones(tokens, experts, top_
                                                                                       block_expert0[:n])
 
 
+def test_routing_reads_rows_of_a_padded_router_as_it_reads_contiguous_ones():
+    """The engine's router is padded (engine.layers.moe): 9 logits a token in rows of 16. The routing and the
+    alignment read the view's row stride, and give what they give on a contiguous copy."""
+    from kernels import moe_triton
+    padded = torch.randn(40, 16, generator=torch.Generator().manual_seed(3))
+    view = padded[:, :9]
+    for mine, theirs in zip(moe_triton.route_and_align(view, 3, True, 1, 4),
+                            moe_triton.route_and_align(view.contiguous(), 3, True, 1, 4)):
+        assert torch.equal(mine, theirs) if torch.is_tensor(mine) else mine == theirs
+    w, ids = moe_triton.route_triton(view, 3, True, 1)
+    w0, ids0 = routing.route(view.contiguous(), 3, True, 1)
+    assert torch.equal(ids.long(), ids0)
+    torch.testing.assert_close(w, w0, rtol=1e-6, atol=1e-6)
+
+
 def test_a_decode_steps_alignment_takes_the_prefix_sums_in_its_scatter_launch(monkeypatch):
     """Up to SCAN_IN_SCATTER routing programs' histograms (256 tokens) the scatter programs sum them themselves, and
     no scan is launched; past that the scan runs first. The same rows either way as the stable sort."""
