@@ -152,7 +152,6 @@ class Together(Pairing):
             for arm in (cand, base):
                 if arm.server is not None:
                     arm.server.stop()
-        started = False
         for arm, label in ((cand, "candidate"), (base, "baseline")):
             server = self.arm_server(arm)
             if server.up:
@@ -161,11 +160,11 @@ class Together(Pairing):
                 base.put_on_disk()
             self.prober.start(arm, label, step_id, n, name, wait=base.show is not None or self.mode == "sleeping",
                               aside=arm is base and not cand.server.aside)
-            started = True
             if arm is base:
                 cand.put_on_disk()
-        if started and self.mode == "simultaneous" and not cand.server.fills_once:
-            # a fresh pair's first windows run slower; a server filled once is warm by the end of its fill
+        if self.mode == "simultaneous" and (cand.server.unused or base.server.unused):
+            # a fresh pair's first windows run slower and apart, filled once too: on an H100 the first window after
+            # the fill moved a pair's log ratio by 3.9% (sd), the later ones by 1.7% (BENCHMARKS.md)
             self.pair(step_id, WARM_UP_PAIR + n, name, base, cand, warm_up=True)
 
     @contextmanager
@@ -217,8 +216,7 @@ class Together(Pairing):
         measures them; a server that has served only correctness probes is as fresh as a new one, and saves a
         start."""
         server = arm.server
-        return (self.mode == "simultaneous" and server is not None
-                and bool(server.samples or server.turns is not None))
+        return self.mode == "simultaneous" and server is not None and not server.unused
 
     def begin(self, step_id, name, base, cand):
         if self.prober.disk.up:

@@ -222,6 +222,11 @@ class StateServer:
                                                             if lines else "")
 
     @property
+    def unused(self) -> bool:
+        """Never sampled in this life (correctness probes do not count): its first windows run slower and apart."""
+        return self.samples == 0 and self.turns is None
+
+    @property
     def fills_once(self) -> bool:
         """Whether its samples are windows of one fill (orchestrator/turns.py): a pinned server (one of two side by
         side) of a target that fills once."""
