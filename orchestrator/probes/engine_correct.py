@@ -7,8 +7,9 @@ fixed prompt set, and every kernel variant it runs must pass ``kernels.check``.
 The reference completions are recorded on the first run, from the same model with every kernel
 key set to the float64 ``reference`` variant, so they are right whichever config first asks for
 them; later runs compare against the stored file. Float32 on the reference's device must match
-exactly on the CPU, unless a plugin of the state declares that it changes numerics (``changes_numerics``, named
-in ORCHESTRATOR_CHANGES_NUMERICS: a 16-bit recurrent state), which is judged by agreement. Elsewhere kernels round differently and a random model has near-ties, so
+exactly on the CPU, unless a plugin of the state declares that it changes numerics (``changes_numerics``,
+named in ORCHESTRATOR_CHANGES_NUMERICS: a 16-bit recurrent state), which is judged by agreement.
+Elsewhere kernels round differently and a random model has near-ties, so
 there a prompt "diverges early" when it differs within its first ``--early-tokens`` tokens, and
 the probe fails when more than ``--max-early-fraction`` of the prompts do: a wrong kernel makes
 every prompt it touches diverge at once (see docs/serving.md for the measurements).
