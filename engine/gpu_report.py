@@ -327,13 +327,13 @@ def _routing_rows() -> list[dict]:
     """Routing and alignment at the engine's decode batches with its shared expert folded in (257 router logits a
     token), replayed: rows of logits 514 bytes apart, as an unpadded router gives them, against rows 16-byte
     aligned (engine.layers.moe pads the router), which alone let Triton vectorise the routing kernel's loads."""
-    from engine.layers.moe import ROUTER_ROWS
+    from engine.layers.moe import router_width
     from kernels import moe_triton
     rows = []
     experts = bench.MOE["experts"] + 1
     for t in (128, 200):
         row = dict(tokens=t)
-        for label, width in (("unaligned", experts), ("aligned", -(-experts // ROUTER_ROWS) * ROUTER_ROWS)):
+        for label, width in (("unaligned", experts), ("aligned", router_width(experts))):
             logits = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)[:, :experts]
             row[f"{label}_ms"] = _ms(lambda lg=logits: moe_triton.route_and_align(lg, bench.MOE["top_k"], True, 1, 16),
                                      True)

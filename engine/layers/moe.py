@@ -23,6 +23,11 @@ from engine.kernel_choice import Kernels
 ROUTER_ROWS = 16
 
 
+def router_width(rows: int) -> int:
+    """The router's rows padded with zero rows to a multiple of ROUTER_ROWS."""
+    return -(-rows // ROUTER_ROWS) * ROUTER_ROWS
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
                  renormalize: bool, kernels: Kernels):
@@ -32,7 +37,7 @@ class SparseMoeBlock(nn.Module):
         self.folded = shared_intermediate == intermediate > 0
         self.gate_rows = n = num_experts + (1 if self.folded else 0)
         # router rows, then the shared expert's gate, then zero rows up to a multiple of ROUTER_ROWS
-        self.gate = nn.Parameter(torch.zeros(-(-n // ROUTER_ROWS) * ROUTER_ROWS, hidden))
+        self.gate = nn.Parameter(torch.zeros(router_width(n), hidden))
         self.experts_w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))  # gate rows, then up rows
         self.experts_w2 = nn.Parameter(torch.empty(n, hidden, intermediate))
         if shared_intermediate and not self.folded:
