@@ -586,10 +586,11 @@ def section_engine(args) -> None:
     kinds = engine.config.hf.layer_kinds
     layers = len(kinds)
     summary(f"engine start-up ({engine.config.model}, {layers} layers: {kinds.count('linear_attention')} Gated "
-            f"DeltaNet, {kinds.count('full_attention')} attention)", f"{startup:.0f} s; kernels "
+            f"DeltaNet, {kinds.count('full_attention')} attention)", f"{startup:.0f} s (warm-up "
+            f"{runner.warm_up_seconds:.0f} s); kernels "
             f"{engine.kernel_choice}; graphs: {_graphs_state(runner)}")
-    out = dict(model=engine.config.model, layers=layers, startup_s=startup, kernel_choice=engine.kernel_choice,
-               graphs_off_reason=runner.graphs_off_reason)
+    out = dict(model=engine.config.model, layers=layers, startup_s=startup, warm_up_s=runner.warm_up_seconds,
+               kernel_choice=engine.kernel_choice, graphs_off_reason=runner.graphs_off_reason)
     _steady_decode(engine, z.decode_batch, z.prompt_len, seed=11)
     for label, g in (("eager", None), ("graphs", graphs)):
         if label == "graphs" and g is None:

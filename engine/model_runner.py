@@ -20,6 +20,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.state_cache import allocate_states, state_metadata
+from engine import warm_up
 
 log = logging.getLogger("engine")
 
@@ -90,6 +91,8 @@ class ModelRunner:
         self._allocate_cache(self.num_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self._block_bytes() / GIB)
+        # Triton compiles each kernel variant on first use: on a GPU, before the first request rather than in it
+        self.warm_up_seconds = warm_up.run(self) if self.device.type == "cuda" else 0.0
         self.graphs_off_reason = self._capture_decode_graphs()
 
     # ------------------------------------------------------------------ memory

@@ -1,0 +1,88 @@
+"""The kernel variants a served step can launch, compiled before the server answers its first request.
+
+Triton compiles a kernel the first time it runs with a new specialization: each integer argument is keyed by
+whether it is 1 and whether 16 divides it, and the launch configurations picked by size (the MoE table's rows
+per expert) are compile-time constants. Compiled lazily, that happens inside a fresh server's first samples,
+on the core its measurements share: on an H100 the first `moe-triton` server ran 3 engine steps in its 10-s
+warm-up window and its decision's interval spanned -28% to +371% (BENCHMARKS.md). So a GPU model runner first
+runs throwaway steps of every kind and size class the scheduler can send. Triton keeps what it compiled on
+disk: the first server of a state on a machine pays the compile time here, later ones load it.
+
+The steps write only junk that no request reads: K/V into blocks a request overwrites before it attends to
+them (none is registered in the prefix cache), and state into slots zeroed at a request's first token.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+
+log = logging.getLogger("engine")
+
+
+def token_counts(limit: int) -> list[int]:
+    """1, then every power of two up to ``limit`` and the count after it, and ``limit``: both residues of 16 at
+    every scale, and a count in each band of a size table whose bounds are at least twice apart."""
+    counts = {1, limit}
+    p = 2
+    while p <= limit:
+        counts.update((p, p + 1))
+        p *= 2
+    return sorted(c for c in counts if c <= limit)
+
+
+class _Dummies:
+    """Throwaway sequences over the runner's blocks and state slots (reused round-robin)."""
+
+    def __init__(self, block_size: int, num_blocks: int, num_slots: int | None):
+        self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
+        self.next_block = 0
+
+    def seq(self, computed: int, new: int, slot: int) -> ScheduledSeq:
+        s = Sequence("warm-up", [0] * (computed + new), 1)
+        s.num_computed_tokens = computed
+        n = -(-(computed + new) // self.block_size)
+        s.block_table = [(self.next_block + i) % self.num_blocks for i in range(n)]
+        self.next_block = (self.next_block + n) % self.num_blocks
+        s.state_slot = slot % self.num_slots if self.num_slots else None
+        return ScheduledSeq(s, new)
+
+
+def plan(max_tokens: int, max_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
+         num_slots: int | None, long_threshold: int | None) -> list[list[ScheduledSeq]]:
+    """The steps: prompts of every token count class (fresh, and a chunk after a cached context), decode
+    steps of every batch size class (and past ``long_threshold`` where long contexts run another kernel), and
+    mixed steps whose prefill rows start at offsets of both residues."""
+    d = _Dummies(block_size, num_blocks, num_slots)
+    context = 2 * block_size + 1  # a partial last block behind full ones
+    steps = [[d.seq(0, n, 0)] for n in token_counts(min(max_tokens, max_model_len))]
+    steps += [[d.seq(context, n, 0)] for n in token_counts(min(max_tokens, max_model_len - context))]
+    contexts = [context] + ([long_threshold] if long_threshold is not None and long_threshold < max_model_len else [])
+    for ctx in contexts:
+        steps += [[d.seq(ctx, 1, i) for i in range(b)] for b in token_counts(max_seqs)]
+    rows = [b for b in (1, 2, 16, 17) if b < max_seqs]
+    chunks = [n for n in (2, 16, 17) if rows and max(rows) + n <= max_tokens and context + n <= max_model_len]
+    steps += [[d.seq(context, 1, i) for i in range(b)] + [d.seq(context, n, b)] for b in rows for n in chunks]
+    return steps
+
+
+def run(runner) -> float:
+    """Runs the plan on ``runner`` (a ModelRunner, its cache allocated, no graphs captured yet); returns the
+    seconds it took."""
+    cfg = runner.config
+    start = time.perf_counter()
+    long_variant = runner.kernels.choice["attention-decode"] != runner.kernels.choice["attention-decode-long"]
+    steps = plan(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, runner.block_size,
+                 runner.num_blocks, runner.num_state_slots or None,
+                 cfg.decode_long_threshold if long_variant else None)
+    for step in steps:
+        runner.run(step)
+    if runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - start
+    log.info("warm-up: %d steps in %.1f s (kernels compiled or loaded from Triton's cache)", len(steps), seconds)
+    return seconds
