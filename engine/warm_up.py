@@ -1,12 +1,14 @@
 """The kernel variants a served step can launch, compiled before the server answers its first request.
 
-Triton compiles a kernel the first time it runs with a new specialization: each integer argument is keyed by
-whether it is 1 and whether 16 divides it, and the launch configurations picked by size (the MoE table's rows
-per expert) are compile-time constants. Compiled lazily, that happens inside a fresh server's first samples,
-on the core its measurements share: on an H100 the first `moe-triton` server ran 3 engine steps in its 10-s
-warm-up window and its decision's interval spanned -28% to +371% (BENCHMARKS.md). So a GPU model runner first
-runs throwaway steps of every kind and size class the scheduler can send. Triton keeps what it compiled on
-disk: the first server of a state on a machine pays the compile time here, later ones load it.
+Triton compiles a kernel the first time it runs with new compile-time constants, and the wrappers pick some by
+size: the MoE's launch configuration by rows per expert, decode attention's tile by the longest context and
+its split count by batch and context. (The counts and widths that change every step are not specialized on:
+``triton_env.jit_per_step``.) Compiled lazily, that happens inside a fresh server's first samples, on the core
+its measurements share: on an H100 the first `moe-triton` server ran 3 engine steps in its 10-s warm-up window
+and its decision's interval spanned -28% to +371% (BENCHMARKS.md). So a GPU model runner first runs throwaway
+steps of every kind and size class the scheduler can send; ``python -m kernels.compile_report --sweep`` checks
+that no other step size compiles anything more. Triton keeps what it compiled on disk: the first server of a
+state on a machine pays the compile time here, later ones load it.
 
 The steps write only junk that no request reads: K/V into blocks a request overwrites before it attends to
 them (none is registered in the prefix cache), and state into slots zeroed at a request's first token.
@@ -53,14 +55,19 @@ class _Dummies:
 def plan(max_tokens: int, max_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
          num_slots: int | None, long_threshold: int | None) -> list[list[ScheduledSeq]]:
     """The steps: prompts of every token count class (fresh, and a chunk after a cached context), decode
-    steps of every batch size class (and past ``long_threshold`` where long contexts run another kernel), and
-    mixed steps whose prefill rows start at offsets of both residues."""
+    steps of every batch size class at contexts of every power of two (and past ``long_threshold`` where long
+    contexts run another kernel), and mixed steps whose prefill rows start at offsets of both residues."""
     d = _Dummies(block_size, num_blocks, num_slots)
     context = 2 * block_size + 1  # a partial last block behind full ones
     steps = [[d.seq(0, n, 0)] for n in token_counts(min(max_tokens, max_model_len))]
     steps += [[d.seq(context, n, 0)] for n in token_counts(min(max_tokens, max_model_len - context))]
-    contexts = [context] + ([long_threshold] if long_threshold is not None and long_threshold < max_model_len else [])
-    for ctx in contexts:
+    # decode attention picks its tile by the longest context (one block, two, more) and its splits by batch size
+    # and context: every batch size class at each such context and each power of two from 256 tokens (and past
+    # the long-context threshold)
+    contexts = {block_size, context} | {c + 1 for c in (256 << i for i in range(32)) if c + 2 <= max_model_len}
+    if long_threshold is not None and long_threshold < max_model_len:
+        contexts.add(long_threshold)
+    for ctx in sorted(contexts):
         steps += [[d.seq(ctx, 1, i) for i in range(b)] for b in token_counts(max_seqs)]
     rows = [b for b in (1, 2, 16, 17) if b < max_seqs]
     chunks = [n for n in (2, 16, 17) if rows and max(rows) + n <= max_tokens and context + n <= max_model_len]

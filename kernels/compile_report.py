@@ -3,6 +3,8 @@ spills of the launch configurations the wrappers choose, against the device's li
 
     python -m kernels.compile_report [--arch 90] [--shared-mem 232448] [--sms 132] [--cases decode,moe,gdn]
         [--json out.json]
+    python -m kernels.compile_report --sweep [--sweep-tokens 8192]   # what a served step compiles after the
+                                                                     # engine's GPU warm-up (engine/warm_up.py)
 
 Triton compiles down to a cubin with the ``ptxas`` it ships, and that needs no GPU: this script
 stands a driver in for the missing one (target ``sm_<arch>``), runs each case's wrapper on CPU
@@ -172,6 +174,77 @@ def cases(names: list[str], quick: bool = False):
     return out
 
 
+def sweep(max_tokens: int = 8192, max_seqs: int = 256, max_model_len: int = 16384, block_size: int = 16,
+          tokens_up_to: int = 8192, widths: tuple[int, ...] = tuple(range(1, 80)) + (97, 130, 257, 513, 1024)):
+    """(thunks at the sizes the engine's GPU warm-up runs, thunks at the other sizes a served step can have) for
+    the kernels whose launch configurations or compiled variants depend on a step's size: the MoE at the
+    engine's Qwen3.6 shapes (a shared expert folded in) for each step's token count, and decode attention for
+    each batch size and block-table width. Compiled one after the other, the second list must compile nothing
+    new: what a served step would compile inside a measured window."""
+    import kernels
+    from engine import warm_up
+    from kernels import bench
+
+    moe_fn, decode_fn = kernels.get("moe", "triton"), kernels.get("paged_decode", "v2_triton")
+    moe = {**bench.MOE, "experts": bench.MOE["experts"] + 1}
+    geometry = bench.ATTENTION
+
+    def moe_call(tokens):
+        return lambda: moe_fn(**_moe_args(tokens, torch.bfloat16, **moe), shared_experts=1)
+
+    def decode_call(batch, width):
+        heads, kvh, head = geometry["num_heads"], geometry["num_kv_heads"], geometry["head_size"]
+        x = 16 // 2
+        args = dict(query=torch.empty(batch, heads, head, dtype=torch.bfloat16),
+                    key_cache=torch.empty(2, kvh, head // x, block_size, x, dtype=torch.bfloat16),
+                    value_cache=torch.empty(2, kvh, head, block_size, dtype=torch.bfloat16),
+                    block_tables=torch.zeros(batch, width, dtype=torch.int32),
+                    seq_lens=torch.full((batch,), width * block_size, dtype=torch.int32), scale=head ** -0.5)
+        return lambda: decode_fn(**args)
+
+    plan = warm_up.plan(max_tokens, max_seqs, max_model_len, block_size, num_blocks=1 << 20, num_slots=max_seqs,
+                        long_threshold=None)
+    warm_tokens = sorted({sum(s.num_new_tokens for s in step) for step in plan})
+    warm_decode = sorted({(sum(s.num_new_tokens == 1 for s in step),
+                           max(-(-(s.seq.num_computed_tokens + 1) // block_size) for s in step if s.num_new_tokens == 1))
+                          for step in plan if any(s.num_new_tokens == 1 for s in step)})
+    warm = [moe_call(t) for t in warm_tokens] + [decode_call(b, w) for b, w in warm_decode]
+    rest = [moe_call(t) for t in range(1, tokens_up_to + 1)]
+    rest += [decode_call(b, w) for b in range(1, max_seqs + 1) for w in widths]
+    return warm, rest
+
+
+def _run_sweep(tokens_up_to: int) -> int:
+    """Runs :func:`sweep`, printing each pass's compiled variants; 1 when the second pass compiled any."""
+    compiled: dict[int, str] = {}
+    launch = JITFunction.run
+
+    def run(fn, *args, grid, warmup, **kwargs):
+        kernel = launch(fn, *args, grid=grid, warmup=True, **kwargs)
+        if id(kernel) not in compiled:
+            consts = {k: v for k, v in kwargs.items() if k.isupper() and isinstance(v, (int, bool))}
+            compiled[id(kernel)] = f"{fn.fn.__name__} {consts}"
+        return kernel
+
+    JITFunction.run = run
+    try:
+        warm, rest = sweep(tokens_up_to=tokens_up_to)
+        counts = []
+        for thunks in (warm, rest):
+            before, t0 = len(compiled), time.perf_counter()
+            for thunk in thunks:
+                thunk()
+            counts.append((len(thunks), len(compiled) - before, time.perf_counter() - t0))
+    finally:
+        JITFunction.run = launch
+    (n_warm, c_warm, s_warm), (n_rest, c_rest, s_rest) = counts
+    print(f"warm-up sizes: {n_warm} calls compiled {c_warm} variants in {s_warm:.0f} s")
+    print(f"every other size: {n_rest} calls compiled {c_rest} more in {s_rest:.0f} s")
+    for label in list(compiled.values())[c_warm:]:
+        print("  compiled after the warm-up: " + label)
+    return 1 if c_rest else 0
+
+
 def _dt(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -192,12 +265,18 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="Qwen3.6-35B-A3B's shapes in bfloat16 and the engine's float32 checks only (~30 s)")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--sweep", action="store_true",
+                   help="compile the MoE and decode attention at the engine warm-up's sizes, then at every other "
+                        "step size; exits 1 when the second pass compiles a variant the first did not")
+    p.add_argument("--sweep-tokens", type=int, default=8192, help="--sweep: the MoE's token counts 1 to this")
     a = p.parse_args(argv)
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", a.arch, 32)))
     from kernels import triton_env
     # the wrappers plan for the device described on the command line
     triton_env.max_shared_mem = lambda device: a.shared_mem
     triton_env.num_sms = lambda device: a.sms
+    if a.sweep:
+        return _run_sweep(a.sweep_tokens)
     rec = Recorder()
     failures = []
     with rec:

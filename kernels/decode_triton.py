@@ -50,7 +50,7 @@ def _tile(q, k_base, v_base, bt_row, n0, end, j, k_off, v_off, m_i, l_i, acc, sk
     return _online(q, k, v, m_i, l_i, acc, valid[None, :], PRECISION, MASKED)
 
 
-@triton.jit
+@triton_env.jit_per_step("sbt0", "sm0", "sm1")
 def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
                   sq0, sq1, sk0, sk1, sk2, sv0, sv1, sv2, sbt0, so0, so1,
                   st0, st1, st2, sm0, sm1,
@@ -102,7 +102,7 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, TMP, MAXS, SUMS, scale,
         tl.store(SUMS + seq * sm0 + head * sm1 + split, l_i, mask=keep)
 
 
-@triton.jit
+@triton_env.jit_per_step("sm0", "sm1", "num_splits")
 def _reduce_kernel(LENS, OUT, TMP, MAXS, SUMS, so0, so1, st0, st1, st2, sm0, sm1,
                    num_splits, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                    CHUNK: tl.constexpr):

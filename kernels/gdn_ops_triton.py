@@ -16,7 +16,7 @@ import triton  # noqa: E402  (after triton_env: see its docstring)
 import triton.language as tl  # noqa: E402
 
 
-@triton.jit
+@triton_env.jit_per_step("T")
 def _conv_kernel(X, W, STATE, SLOTS, CU, OUT, sxb, sxt, sob, sot, T, C,
                  WIDTH: tl.constexpr, W_PAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_C: tl.constexpr):
@@ -88,7 +88,7 @@ def _softplus(x):
     return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
 
-@triton.jit
+@triton_env.jit_per_step("tokens")
 def _gating_kernel(A, B, A_LOG, DT_BIAS, G, BETA, sa, sb, tokens,
                    H: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -117,7 +117,7 @@ def gdn_gating_triton(a, b, A_log, dt_bias, block_t=None):
     return g, beta
 
 
-@triton.jit
+@triton_env.jit_per_step("rows")
 def _norm_gated_kernel(X, Z, W, OUT, sxt, sxh, szt, szh, rows, eps,
                        H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     """BLOCK_R (token, head) rows of D channels."""

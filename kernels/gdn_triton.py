@@ -31,7 +31,7 @@ def _l2norm_rows(x, L2NORM: tl.constexpr):
     return x
 
 
-@triton.jit
+@triton_env.jit_per_step("T")
 def _recurrent_kernel(Q, K, V, G, BETA, O, STATE, SLOTS, CU, T, scale, sq, sk, sv, sg, so,
                       H: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BV: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr):
@@ -64,7 +64,7 @@ def _recurrent_kernel(Q, K, V, G, BETA, O, STATE, SLOTS, CU, T, scale, sq, sk, s
     tl.store(state, s.to(STATE.dtype.element_ty))
 
 
-@triton.jit
+@triton_env.jit_per_step("num_seqs")
 def _chunk_prepare_kernel(Q, K, V, G, BETA, QN, KN, WK, WV, GC, CHUNK_SEQ, CHUNK_START, CU, num_seqs, sq, sk, sv, sg,
                           H: tl.constexpr, HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
                           DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,

@@ -24,7 +24,7 @@ import triton  # noqa: E402  (after triton_env: see its docstring)
 import triton.language as tl  # noqa: E402
 
 
-@triton.jit
+@triton_env.jit_per_step("num_pairs")
 def _grouped_gemm(A, W, OUT, PAIRS, BLOCK_EXPERT, ROUTE_W, num_pairs, n_out, k_in,
                   sa0, sw0, sw1, so0, gate_off,
                   TOP_K: tl.constexpr, GATED: tl.constexpr, A_IS_TOKENS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -72,7 +72,7 @@ def _grouped_gemm(A, W, OUT, PAIRS, BLOCK_EXPERT, ROUTE_W, num_pairs, n_out, k_i
                  mask=live[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton_env.jit_per_step("tokens")
 def _route_kernel(LOGITS, WEIGHTS, IDS, COUNTS, tokens, sl0, ROUTED: tl.constexpr, E_PAD: tl.constexpr,
                   TOP_K: tl.constexpr, SHARED: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                   BLOCK_T: tl.constexpr, BINS: tl.constexpr):
@@ -117,7 +117,7 @@ ALIGN_SUB = 128  # pairs a program of the stand-alone alignment counts and scatt
 SCAN_IN_SCATTER = 16
 
 
-@triton.jit
+@triton_env.jit_per_step("numel")
 def _align_count_kernel(IDS, COUNTS, numel, E: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr):
     """The expert histogram of SUB pairs (lanes past the pairs count in bin E, no expert's)."""
     sub = tl.program_id(0)
@@ -126,7 +126,7 @@ def _align_count_kernel(IDS, COUNTS, numel, E: tl.constexpr, E_PAD: tl.constexpr
     tl.store(COUNTS + sub * E_PAD + tl.arange(0, E_PAD), tl.histogram(ids, E_PAD))
 
 
-@triton.jit
+@triton_env.jit_per_step("subs")
 def _align_scan_kernel(COUNTS, PAD, subs, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                        TILE: tl.constexpr):
     """One program: each histogram row turned, in place, into the pairs of each expert before that row's pairs;
@@ -147,7 +147,7 @@ def _align_scan_kernel(COUNTS, PAD, subs, E: tl.constexpr, E_PAD: tl.constexpr, 
     tl.store(PAD + 2 * E_PAD + e, before)
 
 
-@triton.jit
+@triton_env.jit_per_step("numel", "num_blocks", "blocks_per", "subs")
 def _align_scatter_kernel(IDS, COUNTS, PAD, SORTED, BLOCK_EXPERT, numel, sub_pairs, num_blocks, blocks_per, subs,
                           E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, SUB_PAD: tl.constexpr,
                           CHUNK: tl.constexpr, TILE: tl.constexpr, SCAN: tl.constexpr):

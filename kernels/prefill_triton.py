@@ -30,7 +30,7 @@ def _online(q, k, v, m_i, l_i, acc, mask, PRECISION: tl.constexpr, MASKED: tl.co
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton_env.jit_per_step("sbt0")
 def _prefill_kernel(Q, Kn, Vn, Kc, Vc, BT, QSL, CTX, OUT, scale,
                     sq0, sq1, skn0, skn1, svn0, svn1, skc0, skc1, skc2, svc0, svc1, svc2, svc3, sbt0,
                     so0, so1,

@@ -18,6 +18,20 @@ if not torch.cuda.is_available():  # no GPU to compile for: run kernels in Trito
 import triton  # noqa: E402
 
 
+def jit_per_step(*names: str):
+    """``triton.jit`` with one compiled variant whatever the integer arguments ``names`` hold: token, row and
+    sequence counts and block-table widths that change from step to step. Triton would key each by whether it
+    is 1 and whether 16 divides it, and compile each new combination the first time a served step reaches it,
+    inside that step (engine/warm_up.py warms the variants that remain: the launch configurations chosen by
+    size)."""
+    import inspect
+
+    kw = {"do_not_specialize": list(names)}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        kw["do_not_specialize_on_alignment"] = list(names)
+    return triton.jit(**kw)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 operands use exact fp32 dots (not tf32) so they meet the float32 tolerance."""
     return "ieee" if dtype == torch.float32 else "tf32"
