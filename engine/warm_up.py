@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
@@ -87,8 +89,6 @@ def run(runner) -> float:
     for step in steps:
         runner.run(step)
     if runner.device.type == "cuda":
-        import torch
-
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start
     log.info("warm-up: %d steps in %.1f s (kernels compiled or loaded from Triton's cache)", len(steps), seconds)

@@ -7,6 +7,7 @@ TRITON_INTERPRET; import this module before defining one.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Callable
 
@@ -24,8 +25,6 @@ def jit_per_step(*names: str):
     is 1 and whether 16 divides it, and compile each new combination the first time a served step reaches it,
     inside that step (engine/warm_up.py warms the variants that remain: the launch configurations chosen by
     size)."""
-    import inspect
-
     kw = {"do_not_specialize": list(names)}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
         kw["do_not_specialize_on_alignment"] = list(names)
