@@ -203,7 +203,7 @@ def sweep(max_tokens: int = 8192, max_seqs: int = 256, max_model_len: int = 1638
         return lambda: decode_fn(**args)
 
     plan = warm_up.plan(max_tokens, max_seqs, max_model_len, block_size, num_blocks=1 << 20, num_slots=max_seqs,
-                        long_threshold=None)
+                        compiled={"moe-dispatch", "attention-decode"})
     warm_tokens = sorted({sum(s.num_new_tokens for s in step) for step in plan})
     warm_decode = sorted({(sum(s.num_new_tokens == 1 for s in step),
                            max(-(-(s.seq.num_computed_tokens + 1) // block_size) for s in step if s.num_new_tokens == 1))

@@ -6,6 +6,7 @@ import torch
 
 from engine_helpers import tiny
 from engine import LLM, warm_up
+from engine.config import KERNEL_KEYS
 from kernels.moe_triton import TABLE
 
 PROMPTS = [[7, 3, 9], list(range(40, 73)), [5], list(range(100, 117))]
@@ -35,7 +36,7 @@ def test_every_moe_table_band_the_steps_reach_is_warmed(experts, top_k):
 @pytest.mark.parametrize("threshold", [None, 40])
 def test_the_plan_stays_inside_the_runners_limits(threshold):
     steps = warm_up.plan(max_tokens=64, max_seqs=20, max_model_len=96, block_size=8, num_blocks=30, num_slots=20,
-                         long_threshold=threshold)
+                         compiled=set(KERNEL_KEYS), long_threshold=threshold)
     kinds = set()
     for step in steps:
         assert sum(s.num_new_tokens for s in step) <= 64 and len(step) <= 20
@@ -55,11 +56,34 @@ def test_the_plan_stays_inside_the_runners_limits(threshold):
     assert ((True, False, False, True) in kinds) == (threshold is not None)
 
 
+def test_only_triton_kernels_are_warmed_and_only_by_the_steps_they_see():
+    """A server start pays for every throwaway step, so the plan holds only what a Triton variant compiles on."""
+    assert warm_up.compiled_keys({"moe-dispatch": "sorted", "attention-decode": "v1", "rms-norm": "torch"}) == set()
+    assert warm_up.compiled_keys({"moe-dispatch": "triton", "attention-decode": "v2_triton",
+                                  "rms-norm": "torch"}) == {"moe-dispatch", "attention-decode"}
+    limits = dict(max_tokens=64, max_seqs=20, max_model_len=600, block_size=8, num_blocks=30, num_slots=20)
+    assert warm_up.plan(**limits, compiled=set()) == []
+
+    def contexts(steps):  # the decode rows' contexts, and whether a prompt follows a cached context
+        return ({s.seq.num_computed_tokens for step in steps for s in step if s.num_new_tokens == 1},
+                any(s.seq.num_computed_tokens for step in steps for s in step if s.num_new_tokens > 1
+                    and len(step) == 1))
+
+    moe = warm_up.plan(**limits, compiled={"moe-dispatch"})
+    full = warm_up.plan(**limits, compiled={"moe-dispatch", "attention-decode", "attention-prefill"})
+    assert contexts(moe) == ({0, 8, 17}, False)  # a 1-token prompt, one decode context, the mixed steps
+    assert contexts(full)[0] > {0, 8, 17} and contexts(full)[1]
+    assert len(moe) < len(full)
+    # every token count a step can have is still warmed for the MoE
+    assert {sum(s.num_new_tokens for s in step) for step in moe} >= set(warm_up.token_counts(64))
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
-def test_a_warmed_runner_generates_what_a_fresh_one_does(model):
+def test_a_warmed_runner_generates_what_a_fresh_one_does(model, monkeypatch):
     fresh = LLM(tiny(model=model)).generate(PROMPTS, 8)
     warmed = LLM(tiny(model=model))
     runner = warmed.engine.model_runner
+    monkeypatch.setattr(warm_up, "compiled_keys", lambda choice: set(choice))  # as if every variant compiled
     before = [layer.key_cache.clone() for layer in runner.attention_layers]
     assert warm_up.run(runner) > 0
     # the steps wrote into the cache (so they ran), and a request reads none of it
