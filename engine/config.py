@@ -112,6 +112,9 @@ class EngineConfig:
     rms_norm: VariantChain = _key(VariantChain, "torch")  # residual add + RMSNorm
     qk_norm_rope: VariantChain = _key(VariantChain, "torch")  # per-head q/k RMSNorm + rotary embedding
     cuda_graphs: bool = _key(bool, True)  # decode steps replayed from CUDA graphs; ignored on the CPU
+    # a decode step on the graphs' buffers is scheduled and filled while the one before runs, its inputs taken from
+    # the tokens that step leaves on the device (vLLM's --async-scheduling): the host's share of a step hidden
+    async_scheduling: bool = _key(bool, False)
     # engine.server: tokens a streamed response sends together after its first (vLLM's --stream-interval): the HTTP
     # side, which shares the interpreter with the engine's step loop, handles that many times fewer messages
     stream_interval: int = _key(int, 1, ge=1)

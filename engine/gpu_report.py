@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import re
@@ -546,14 +547,20 @@ def _throughput(engine, num_prompts: int, input_len: int, output_len: int, seed:
     if engine.model_runner.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, output_len)
+    ids = [engine.add_request(p, output_len) for p in prompts]
     generated = 0
+    digest = hashlib.sha256()  # of every request's tokens in order: two runs that generate the same agree
+    tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
-        generated += sum(len(o.new_token_ids) for o in engine.step())
+        for o in engine.step():
+            generated += len(o.new_token_ids)
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     elapsed = time.perf_counter() - t0
+    for rid in ids:
+        digest.update(repr(tokens.get(rid, [])).encode())
     return dict(num_prompts=num_prompts, input_len=input_len, output_len=output_len, elapsed_s=elapsed,
-                output_tok_s=generated / elapsed, input_tok_s=num_prompts * input_len / elapsed)
+                output_tok_s=generated / elapsed, input_tok_s=num_prompts * input_len / elapsed,
+                tokens_sha256=digest.hexdigest())
 
 
 def _engine_config(args) -> dict:
@@ -618,18 +625,26 @@ def section_engine(args) -> None:
                    if "replay_ms" in prof else ""), ">= 85% busy" if g else "<= 20 kernels/layer")
     for rid in list(engine._requests):
         engine.abort(rid)
-    runs = [("graphs", graphs, z.full_output_len if args.full_workload else z.output_len)]
+    # with graphs, synchronous and then with async-scheduling (the same prompts: the same tokens, timed side by side)
+    output_len = z.full_output_len if args.full_workload else z.output_len
+    runs = [("graphs", graphs, output_len, False), ("graphs_async", graphs, output_len, True)]
     if not args.full_workload:
-        runs.append(("eager", None, z.output_len))
-    for label, g, output_len in runs:
-        if label == "graphs" and g is None:
+        runs.append(("eager", None, z.output_len, False))
+    for label, g, output_len, overlap in runs:
+        if label.startswith("graphs") and g is None:
             continue
-        runner.decode_graphs = g
-        r = _throughput(engine, z.num_prompts, z.input_len, output_len, seed=21 if label == "graphs" else 22)
+        runner.decode_graphs, engine.async_scheduling = g, overlap
+        r = _throughput(engine, z.num_prompts, z.input_len, output_len, seed=22 if label == "eager" else 21)
         out[f"throughput_{label}"] = r
-        summary(f"engine {z.num_prompts} x ({z.input_len} in, {output_len} out), {label}",
+        summary(f"engine {z.num_prompts} x ({z.input_len} in, {output_len} out), "
+                + label.replace("_async", ", async-scheduling"),
                 f"{r['output_tok_s']:.0f} output tok/s ({r['elapsed_s']:.1f} s)",
-                ">= 5,000 on 200 x (1000 / 2000)" if label == "graphs" else "")
+                ">= 5,000 on 200 x (1000 / 2000)" if label.startswith("graphs") else "")
+    engine.async_scheduling = engine.config.async_scheduling
+    if "throughput_graphs_async" in out:
+        same = out["throughput_graphs_async"]["tokens_sha256"] == out["throughput_graphs"]["tokens_sha256"]
+        out["async_scheduling_identical"] = same
+        summary("greedy tokens, async-scheduling vs synchronous (graphs)", "identical" if same else "DIFFER")
     if graphs is not None:
         out["static_steps"], out["replays"] = graphs.steps, graphs.replays
     runner.decode_graphs = graphs

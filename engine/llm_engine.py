@@ -18,6 +18,16 @@ from engine.state_cache import StateSlots
 log = logging.getLogger("engine")
 
 
+PENDING = -1  # the token of a sequence whose step is on its way (async-scheduling), put in place when read back
+
+
+@dataclass
+class _Pending:
+    launched: Any  # cuda_graphs.Launched
+    scheduled: list
+    rows: dict[int, int]  # id(sequence) -> its row
+
+
 @dataclass
 class StepOutput:
     request_id: str
@@ -46,6 +56,8 @@ class LLMEngine:
         self._steps = 0
         self._step_seconds = 0.0  # wall time inside the steps that ran something: a server's busy time
         self._step_ended = 0.0  # Unix time the last of them ended: the counters count up to it
+        self.async_scheduling = self.config.async_scheduling  # GPU reports time both ways on one engine
+        self._pending: _Pending | None = None  # async-scheduling: the step queued and not yet read back
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise ValueError for a request the engine can never serve."""
@@ -76,23 +88,51 @@ class LLMEngine:
         return request_id
 
     def step(self) -> list[StepOutput]:
+        """Runs one step; returns the new tokens read back in it. With async-scheduling a decode step on the graphs'
+        buffers is queued, then the step before it read back (its tokens come one call later; the host's work for
+        a step overlaps the device's for the one before)."""
         began = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
-        sampled = self.model_runner.run(scheduled)
+            return self._read_back()
+        launched = (self.model_runner.launch(scheduled, self._pending.rows if self._pending else {})
+                    if self.async_scheduling else None)
+        outputs = self._read_back()
+        if launched is None:  # its inputs are on the host: read back whatever was on its way, then run it
+            sampled = self.model_runner.run(scheduled)
+            self._advance(scheduled, sampled, began)
+            return outputs + self._outputs(scheduled, sampled)
+        self._advance(scheduled, [PENDING] * len(scheduled), began)
+        self._pending = _Pending(launched, scheduled, {id(item.seq): i for i, item in enumerate(scheduled)})
+        return outputs
+
+    def _advance(self, scheduled, sampled, began: float) -> None:
         self._steps += 1
         self._step_seconds += time.perf_counter() - began
         for item in scheduled:  # prompt tokens as their chunks run, not all at once at the first output
             self._prefill_tokens += max(0, min(item.num_new_tokens,
                                                item.seq.num_prompt_tokens - item.seq.num_computed_tokens))
         self.scheduler.update(scheduled, sampled)
+
+    def _read_back(self) -> list[StepOutput]:
+        """The tokens of the step on its way, put in place of its sequences' placeholders."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        tokens = pending.launched.tokens()
+        for item, token in zip(pending.scheduled, tokens):
+            item.seq.token_ids[-1] = token  # its placeholder: nothing was appended since
+        return self._outputs(pending.scheduled, tokens)
+
+    def _outputs(self, scheduled, sampled) -> list[StepOutput]:
         outputs = []
         for item, token in zip(scheduled, sampled):
             if token is None:
                 continue
             seq = item.seq
             self._generation_tokens += 1
+            if seq.request_id not in self._requests:  # aborted while its step was on its way
+                continue
             if seq.num_output_tokens == 1:
                 self._prompt_tokens += seq.num_prompt_tokens
             if seq.is_finished:
@@ -103,7 +143,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its blocks; unknown or finished ids are ignored."""

@@ -273,6 +273,13 @@ class ModelRunner:
                                  len(short) + len(long_), self._tensor) if self.linear_layers else None)
         return self._tensor(ids, torch.int64), pos, meta, sample_rows
 
+    def launch(self, scheduled: list[ScheduledSeq], pending: dict[int, int]):
+        """A pure decode step on the static buffers, queued on the device with no wait (its inputs still there
+        by ``pending``: StaticDecodeInputs.fill); None where the step is not one (it then runs with ``run``)."""
+        if not self._static_decode_fits(scheduled):
+            return None
+        return self.decode_graphs.launch(scheduled, pending)
+
     @torch.no_grad()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int | None]:
         """The sampled token of each scheduled sequence whose chunk reaches its end, else None."""

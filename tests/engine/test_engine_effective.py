@@ -153,7 +153,7 @@ CHANGES = {
     "decode_long_threshold": 2048, "attention_prefill": "pregather", "prefill_block_m": 32, "prefill_block_n": 32,
     "prefill_num_warps": 4, "moe_dispatch": "sorted", "gdn_prefill": "recurrent", "gdn_decode": "chunk",
     "gdn_fused": ["triton", "torch"], "mamba_ssm_cache_dtype": "bfloat16", "rms_norm": ["triton", "torch"], "qk_norm_rope": ["triton", "torch"],
-    "cuda_graphs": True, "stream_interval": 4,
+    "cuda_graphs": True, "async_scheduling": True, "stream_interval": 4,
 }
 NOT_ON_A_CPU = {"device": "the device itself: effective() describes the one it runs on"}
 

@@ -81,9 +81,10 @@ def test_cpu_smoke_run_covers_the_graph_and_engine_sections_on_the_hybrid_model(
         assert run["identical_to_static_eager"] and run["identical_to_eager"] and run["static_steps"] > 0
     engine = report["engine"]
     assert engine["model"] == "tiny-hybrid" and engine["static_steps"] > 0
-    for key in ("decode_step_eager", "decode_step_graphs", "throughput_graphs", "throughput_eager"):
+    for key in ("decode_step_eager", "decode_step_graphs", "throughput_graphs", "throughput_graphs_async",
+                "throughput_eager"):
         assert key in engine, key
-    assert engine["throughput_graphs"]["output_tok_s"] > 0
+    assert engine["throughput_graphs"]["output_tok_s"] > 0 and engine["async_scheduling_identical"]
     assert len(report["profile"]["batches"]) == len(gpu_report.SMOKE.profile_batches)  # a default section too
 
 

@@ -70,8 +70,9 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     for step in status["steps"]:
         outcomes.setdefault(step["plugin"], []).append((step["outcome"], step["reason"], step.get("params")))
 
-    # cuda-graphs applies only where the engine runs on a GPU
-    for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton", "cuda-graphs"):
+    # cuda-graphs and async-scheduling apply only where the engine runs on a GPU
+    for pid in ("fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton", "cuda-graphs",
+                "async-scheduling"):
         assert outcomes[pid] == [("skipped", "not_applicable", None)]
     for pid in ("max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-triton",
                 "prefill-triton", "moe-triton", "fused-norm-rope", "gdn-prefill-triton", "gdn-decode-triton",
@@ -87,6 +88,7 @@ def test_engine_keeps_what_moves_toward_the_optimized_config_and_rolls_back(tmp_
     kept = load_config(serve).as_dict()
     optimized = load_config(CONFIGS / "optimized.yaml", {"model": "tiny-hybrid"}).as_dict()
     assert (kept.pop("cuda_graphs"), optimized.pop("cuda_graphs")) == (False, True)
+    assert (kept.pop("async_scheduling"), optimized.pop("async_scheduling")) == (False, True)
     assert {k: kept.pop(k) for k in LAUNCH} == {"prefill_block_m": 64, "prefill_block_n": 64,
                                                 "prefill_num_warps": 8}  # the baseline's, put back
     assert kept == {k: v for k, v in optimized.items() if k not in LAUNCH}

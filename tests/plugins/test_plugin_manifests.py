@@ -29,6 +29,7 @@ SHIPPED = {
     "kv-cache-fp8", "cudagraph-capture-size", "api-server-count", "stream-interval", "fusion-qk-norm-rope",
     "moe-backend", "quantization-fp8", "ssm-state-bf16",
 }
+ENGINE_TOO = {"async-scheduling"}  # vLLM-serve plugins whose key the engine has too
 # vLLM-serve plugin: (the key its precondition asks the installed vLLM for, the serve-config key it sets)
 VLLM_SERVE = {"max-num-seqs-search": ("max-num-seqs", "max-num-seqs"),
               "max-batched-tokens-search": ("max-num-batched-tokens", "max-num-batched-tokens"),
@@ -149,12 +150,12 @@ def test_vllm_serve_plugins_check_their_option_verify_and_roll_back(tmp_path):
                                          {"serve_config": "serve.yaml"})}
     for pid, (asked, option) in VLLM_SERVE.items():
         m = plugins[pid].manifest
-        assert m.targets == ["vllm"], pid
-        assert [c.body.run[-2:] for c in m.applies_if] == [["has", asked]], pid
+        assert m.targets == (["vllm", "engine"] if pid in ENGINE_TOO else ["vllm"]), pid
+        assert [c.body.run[-2:] for c in m.applies_if if c.runs_on("vllm")] == [["has", asked]], pid
         for variant in plugins[pid].variants:
-            assert [s.body.key for s in variant.apply] == [option], pid
-            assert {c.kind for c in variant.verify} == {"contains", "command"}, pid
-            assert [s.body.run[-2:] for s in variant.rollback] == [["check", "serve.yaml"]], pid
+            assert [s.body.key for s in variant.apply if s.runs_on("vllm")] == [option], pid
+            assert {c.kind for c in variant.verify if c.runs_on("vllm")} == {"contains", "command"}, pid
+            assert [s.body.run[-2:] for s in variant.rollback if s.runs_on("vllm")] == [["check", "serve.yaml"]], pid
         assert m.changes_numerics == (pid in CHANGES_NUMERICS), pid
     assert [v.params for v in plugins["max-num-seqs-search"].variants] == [
         {"max_num_seqs": n} for n in (512, 1024)]
