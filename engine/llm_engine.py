@@ -131,7 +131,7 @@ class LLMEngine:
                 continue
             seq = item.seq
             self._generation_tokens += 1
-            if seq.request_id not in self._requests:  # aborted while its step was on its way
+            if self._requests.get(seq.request_id) is not seq:  # aborted while its step was on its way
                 continue
             if seq.num_output_tokens == 1:
                 self._prompt_tokens += seq.num_prompt_tokens
