@@ -48,7 +48,8 @@ def test_fill_pads_rows_to_the_scratch_block_and_repads_rows_a_larger_step_used(
     c = ScheduledSeq(_seq("c", list(range(6)), 5, [0, 1]), 1)
     inp.fill([a, b, c], rows=4)
     meta = inp.meta[:, :4].tolist()
-    assert meta == [[19, 2, 5, 0], [9, 1, 5, 0], [7, 2, 1, 9], [1, 1, 1, 0], [10, 2, 6, 1], [0, 0, 0, 0]]
+    assert meta == [[19, 2, 5, 0], [9, 1, 5, 0], [7, 2, 1, 9], [1, 1, 1, 0], [10, 2, 6, 1], [0, 0, 0, 0],
+                    [-1, -1, -1, -1]]  # no row takes its input from a step on its way
     assert inp.tables[0, :3].tolist() == [3, 5, 7] and inp.tables[1, 0] == 2 and inp.tables[2, :2].tolist() == [0, 1]
     assert inp.tables[3, 0] == 9  # the padding row reads the scratch block only
     inp.fill([b], rows=2)  # a smaller step: row 1, used by c before, is padding again
