@@ -49,7 +49,8 @@ class Decision:
     confidence: float | None = None
     min_gain: float | None = None
     starts: list[int] | None = None  # server starts behind the pairs: [baseline arm, candidate arm]
-    between: float | None = None  # the calibrated start-to-start sd the interval counts, when it counts one
+    between: float | None = None  # the start-to-start sd the interval counts, when it counts one (noise.py)
+    between_df: int | None = None  # its degrees of freedom: the calibration's, and the decisions' it pooled
     implausible: bool = False  # the effect stayed beyond implausible_factor after re-measuring
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,7 +241,8 @@ class Judge:
             baseline_median=statistics.median(baseline), candidate_median=statistics.median(candidate),
             rule="stat", notes=notes, confidence=self.confidence, min_gain=self.min_gain,
             starts=[len({p[0] for p in starts[:n]}), len({p[1] for p in starts[:n]})] if starts else None,
-            between=self.noise.between if counted else None, implausible=held)
+            between=self.noise.between if counted else None, between_df=self.noise.between_df if counted else None,
+            implausible=held)
 
     def _invalid(self, baseline: Sequence[float], candidate: Sequence[float]) -> Decision | None:
         """A zero or missing objective ends the comparison at once instead of crashing the log-ratio statistics:

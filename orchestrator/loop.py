@@ -78,6 +78,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                         stager.stage(plugin)
                 kept_steps = deployment.kept_by([*chain, ctx.run_id])
                 if prober.throughput and kept_steps:
+                    restack.noise = stager.noise  # as the decisions pooled it
                     restack.revalidate(kept_steps)
                     if attribute:
                         restack.attribute(kept_steps)

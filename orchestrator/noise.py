@@ -16,13 +16,19 @@ from candidate to candidate), a wake may move a server's level too. Its spread (
 calibration's samples: consecutive samples of one server with a sleep between them against consecutive ones
 without (`wake_spread`). A wake that moves a server about as much as a fresh start would is no cheaper than a
 restart and breaks the judge's model of one start effect per server: `wakes_like_fresh` says whether the run may
-sleep. Pure functions, no I/O.
+sleep.
+
+A calibration has few blocks (three starts give 2 degrees of freedom), and the state it measured may be noisier or
+quieter than the states judged after it. Every decision that took two or more blocks of fresh servers measures the
+start effects again, so the run folds each into its noise (`folded`): the judge's between-start spread becomes the
+pooled estimate of the calibration and the decisions so far, with their degrees of freedom, never below what the
+calibration itself allows at 97.5% confidence. Pure functions, no I/O.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -38,13 +44,16 @@ class Noise:
     wake: float | None = None  # RMS change of log(objective) a sleep and a wake make to one server (sleeping pairing)
     wake_p: float | None = None  # the chance of a `wake` this large were a wake to change nothing (a rank test)
     still: float | None = None  # sd of log(objective) from one sample to the next of a server with no sleep between
+    pooled: int = 0  # decisions folded into `between` since the calibration (`folded`)
+    floor: float | None = None  # the lowest `between` the calibration allows (set at the first fold)
+    raw: float | None = None  # the pooled estimate of between² before the floor (may be negative)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Noise":
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 def components(blocks: Sequence[Sequence[float]], kept_restarted: bool) -> tuple[float, float, int]:
@@ -66,6 +75,43 @@ def components(blocks: Sequence[Sequence[float]], kept_restarted: bool) -> tuple
     c = 2.0 if kept_restarted else 1.0
     between = math.sqrt(max(0.0, spread - carried) / c)
     return math.sqrt(pooled / 2), between, len(blocks) - 1
+
+
+FLOOR_CONFIDENCE = 0.975  # the pooled between-start spread stays above the calibration's lower bound at this level
+
+
+def folded(noise: Noise, log_ratios: Sequence[float], starts: Sequence[tuple[Hashable, Hashable]]) -> Noise:
+    """`noise` after one more decision: its pairs' log ratios log(candidate / kept) and the servers behind each
+    pair (baseline's, candidate's). A decision on one block of servers says nothing of the start effects and
+    changes nothing; one of k blocks gives an unbiased estimate of between², as `components` does for A/A blocks:
+
+        (spread of the block means - 2 within² mean(1/m)) / c
+
+    (c = 2 where each block restarted the kept server too, 1 where one kept server served every block; a decision
+    that mixed the two is left out). The pooled between² is the degrees-of-freedom-weighted mean of the
+    calibration's and these (k - 1 each), floored at the calibration's lower confidence bound
+    between² df / chi²(FLOOR_CONFIDENCE, df): a run whose decisions show less spread than its calibration
+    tightens its intervals, never below what the calibration makes plausible; one that shows more widens them."""
+    from scipy.stats import chi2
+
+    blocks: dict[tuple[Hashable, Hashable], list[float]] = {}
+    for value, pair in zip(log_ratios, starts):
+        blocks.setdefault(tuple(pair), []).append(float(value))
+    k = len(blocks)
+    kept_servers = len({pair[0] for pair in blocks})
+    if k < 2 or kept_servers not in (1, k) or not noise.between_df:
+        return noise
+    c = 2.0 if kept_servers == k else 1.0
+    means = np.array([np.mean(b) for b in blocks.values()])
+    spread = float(means.var(ddof=1))
+    estimate = (spread - 2 * noise.within ** 2 * float(np.mean([1.0 / len(b) for b in blocks.values()]))) / c
+    floor = noise.floor if noise.floor is not None else \
+        noise.between * math.sqrt(noise.between_df / float(chi2.ppf(FLOOR_CONFIDENCE, noise.between_df)))
+    raw = noise.raw if noise.raw is not None else noise.between ** 2
+    df = noise.between_df + k - 1
+    raw = (noise.between_df * raw + (k - 1) * estimate) / df
+    return replace(noise, between=math.sqrt(max(raw, floor ** 2)), between_df=df, pooled=noise.pooled + 1,
+                   floor=floor, raw=raw)
 
 
 def offset(blocks: Sequence[Sequence[float]], between: float, between_df: int, kept_restarted: bool,

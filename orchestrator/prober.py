@@ -4,6 +4,8 @@ one; else the server of the state on disk, started on demand); any other runs wi
 alive. The caller puts states on disk; this module never changes the target."""
 from __future__ import annotations
 
+import math
+
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -77,6 +79,15 @@ class Verdict:
     decision: Any  # decide.Decision, or None when nothing was measured
     base: list[Sample] = field(default_factory=list)
     cand: list[Sample] = field(default_factory=list)
+
+    def server_pairs(self) -> tuple[list[float], list[tuple[int, int]]]:
+        """The log ratios log(candidate / baseline) of the pairs whose two servers are known, and those servers."""
+        logs, servers = [], []
+        for b, c in zip(self.base, self.cand):
+            if b.server is not None and c.server is not None and b.value and c.value and b.value > 0 < c.value:
+                logs.append(math.log(c.value / b.value))
+                servers.append((b.server, c.server))
+        return logs, servers
 
 
 def medians(samples: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -14,7 +14,7 @@ from orchestrator.failures import is_environment
 from orchestrator.guardrails import check_guardrails
 from orchestrator.images import TouchError
 from orchestrator.kept import KeptState
-from orchestrator.noise import Noise
+from orchestrator.noise import Noise, folded
 from orchestrator.pairing import Together, choose
 from orchestrator.plugin import Plugin, Variant
 from orchestrator.prober import (Arm, ArmFailed, BaselineFailed, EnvironmentFailed, Prober, Verdict, failure, medians,
@@ -32,6 +32,8 @@ def describe(d: decide.Decision) -> str:
     gain = "n/a" if d.gain is None else f"{d.gain:+.2%}"
     interval = (f" [{d.ci_low:+.2%}, {d.ci_high:+.2%}]" if d.ci_low is not None and d.ci_high is not None else "")
     starts = f", {d.starts[0]}+{d.starts[1]} server starts" if d.starts else ""
+    if d.between:
+        starts += f", counting {d.between:.2%} between starts ({d.between_df} df)"
     notes = f"; {'; '.join(d.notes)}" if d.notes else ""
     return f"{d.verdict}: gain {gain}{interval} over {d.n_baseline}/{d.n_candidate} samples{starts} ({d.rule} rule){notes}"
 
@@ -343,6 +345,8 @@ class Stager:
             return self.probe_failed(plugin, variant, step_id, name, e.spec, e.result, str(e))
         if pairing.mode == "reused":
             self.kept.samples = pairing.kept_samples
+        if self.noise is not None and verdict.decision is not None and verdict.decision.rule == "stat":
+            self.noise = folded(self.noise, *verdict.server_pairs())  # the next decisions judge by the pooled spread
         vetoes = guardrail_vetoes(policy, verdict)
         self.prober.record(verdict, policy, vetoes)
         self.store.set_step(step_id, state="deciding", **numbers(verdict))

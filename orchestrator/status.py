@@ -71,6 +71,7 @@ def status_data(store: Reader, run_id: int | None = None) -> dict[str, Any] | No
                                                   "baseline_median", "candidate_median")}
             full = loads(d["decision"]) or {}
             item["decision"].update(starts=full.get("starts"), between=full.get("between"),
+                                    between_df=full.get("between_df"),
                                     min_gain=full.get("min_gain"), notes=full.get("notes") or [])
             item["decision"]["vetoes"] = loads(d["vetoes"]) or []
         if s["kind"] == "screening":

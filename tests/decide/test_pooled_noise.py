@@ -1,0 +1,175 @@
+"""The run's between-start spread pooled over its calibration and its decisions (noise.folded): unchanged by a
+decision on one pair of servers, unbiased over many, never below the calibration's lower confidence bound, and,
+judged by it, fewer false keeps where the calibration was quieter than the states judged after it and more real
+keeps where it was noisier. Simulated samples with a fixed seed: lognormal start effects and sample noise."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import chi2
+
+from orchestrator.decide import Judge
+from orchestrator.noise import FLOOR_CONFIDENCE, Noise, components, folded
+from orchestrator.policy import Policy
+
+
+class Servers:
+    """Fresh simulated servers: each start draws its effect once; each sample adds its own noise."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.count = 0
+
+    def start(self, between: float) -> tuple[int, float]:
+        self.count += 1
+        return self.count, float(self.rng.normal(0, between))
+
+    def block(self, effect: float, pairs: int, between: float, within: float, kept=None):
+        """`pairs` pairs on one candidate server and one kept server (`kept` to reuse one): log ratios, servers."""
+        kept = kept or self.start(between)
+        cand = self.start(between)
+        logs = [math.log1p(effect) + cand[1] - kept[1] + float(self.rng.normal(0, within) - self.rng.normal(0, within))
+                for _ in range(pairs)]
+        return logs, [(kept[0], cand[0])] * pairs
+
+
+def calibration(servers: Servers, between: float, within: float, starts: int = 3) -> Noise:
+    blocks = [servers.block(0.0, 2, between, within)[0] for _ in range(starts)]
+    return Noise(*components(blocks, kept_restarted=True))
+
+
+def decision(servers: Servers, effect: float, between: float, within: float, blocks=(2, 1)):
+    logs, starts = [], []
+    for pairs in blocks:
+        more_logs, more_starts = servers.block(effect, pairs, between, within)
+        logs += more_logs
+        starts += more_starts
+    return logs, starts
+
+
+def test_a_decision_on_one_pair_of_servers_or_on_mixed_kept_servers_changes_nothing():
+    noise = Noise(0.02, 0.04, 2)
+    assert folded(noise, [0.1, 0.12, 0.08], [(1, 2)] * 3) is noise
+    # three blocks, two of them on one kept server: neither model of the block means holds
+    assert folded(noise, [0.1, 0.2, 0.3], [(1, 2), (1, 3), (4, 5)]) is noise
+    assert folded(Noise(0.02, 0.0, 0), [0.1, 0.3], [(1, 2), (3, 4)]).between_df == 0  # nothing calibrated
+
+
+@pytest.mark.parametrize("kept_restarted", [True, False])
+def test_pooled_over_many_decisions_the_spread_between_starts_is_found(kept_restarted):
+    servers = Servers(7)
+    true_between, within = 0.04, 0.02
+    noise = calibration(servers, true_between, within)
+    first = noise
+    for _ in range(60):
+        if kept_restarted:
+            logs, starts = decision(servers, 0.05, true_between, within)
+        else:  # one kept server for the whole decision, a fresh candidate for each block (the sleeping pairing)
+            kept = servers.start(true_between)
+            logs, starts = [], []
+            for pairs in (2, 1):
+                more_logs, more_starts = servers.block(0.05, pairs, true_between, within, kept=kept)
+                logs += more_logs
+                starts += more_starts
+        noise = folded(noise, logs, starts)
+    assert noise.pooled == 60 and noise.between_df == first.between_df + 60
+    assert abs(noise.between - true_between) < 0.25 * true_between, (first.between, noise.between)
+
+
+def test_decisions_quieter_than_the_calibration_tighten_it_down_to_its_lower_bound_only():
+    noise = Noise(0.01, 0.05, 2)
+    for i in range(20):  # block means that agree exactly: no spread between starts at all
+        noise = folded(noise, [0.03, 0.03, 0.03], [(2 * i, 2 * i + 1)] * 2 + [(2 * i + 100, 2 * i + 101)])
+    floor = 0.05 * math.sqrt(2 / chi2.ppf(FLOOR_CONFIDENCE, 2))
+    assert noise.between == pytest.approx(floor) and 0 < floor < 0.05
+    assert noise.raw < floor ** 2 and noise.between_df == 22
+    # a noisy decision afterwards moves the pooled estimate from its raw value, not from the floor
+    wider = folded(noise, [0.0, 0.0, 0.5], [(1, 2), (1, 2), (3, 4)])
+    assert wider.raw > noise.raw and wider.between > floor and wider.floor == noise.floor
+
+
+def keep_rate(calibrated: float, judged: float, effect: float, pool: bool, runs: int = 60) -> float:
+    """The share of kept decisions in `runs` runs of 12 decisions of 2 + 1 pairs (the GPU main job's shape),
+    judged after a calibration of 3 starts x 2 pairs whose start effects have sd `calibrated`, the decisions'
+    `judged`."""
+    servers = Servers(11)
+    policy = Policy(rule="stat", min_gain=0.02)
+    kept = total = 0
+    for _ in range(runs):
+        noise = calibration(servers, calibrated, 0.01)
+        for _ in range(12):
+            logs, starts = decision(servers, effect, judged, 0.01)
+            base = [1.0] * len(logs)
+            d = Judge(policy, noise).decide(base, [math.exp(x) for x in logs], final=True, starts=starts)
+            kept += d.verdict == "keep"
+            total += 1
+            if pool:
+                noise = folded(noise, logs, starts)
+    return kept / total
+
+
+def test_a_calibration_quieter_than_the_decisions_keeps_fewer_no_ops_once_pooled():
+    pooled, alone = keep_rate(0.01, 0.04, 0.0, True), keep_rate(0.01, 0.04, 0.0, False)
+    assert pooled <= 0.025 < alone, (pooled, alone)
+
+
+def test_a_calibration_noisier_than_the_decisions_keeps_more_real_gains_once_pooled_and_no_more_no_ops():
+    pooled, alone = keep_rate(0.05, 0.01, 0.12, True), keep_rate(0.05, 0.01, 0.12, False)
+    assert pooled > 2 * alone, (pooled, alone)
+    assert keep_rate(0.05, 0.01, 0.0, True) <= 0.01
+
+
+def test_the_decision_records_the_spread_and_the_degrees_of_freedom_it_counted():
+    noise = Noise(0.01, 0.03, 2)
+    noise = folded(noise, [0.1, 0.12, 0.02], [(1, 2), (1, 2), (3, 4)])
+    d = Judge(Policy(rule="stat", min_gain=0.02), noise).decide(
+        [1.0] * 3, [1.1, 1.12, 1.02], final=True, starts=[(5, 6), (5, 6), (7, 8)])
+    assert (d.between, d.between_df) == (noise.between, 3)
+    assert Noise.from_dict(noise.to_dict()) == noise
+    assert Noise.from_dict({"within": 0.01, "between": 0.02, "between_df": 2}).pooled == 0  # an older record
+
+
+def test_the_replay_rejudges_a_recorded_run_by_its_calibration_and_by_the_pooled_spread(tmp_path):
+    """A history as a run leaves it (its runs, steps and measurements tables): three A/A steps, then two attempts
+    on two blocks each; the replay judges both ways, and the second attempt by the spread pooled with the first."""
+    import sqlite3
+
+    from benchmarks.replay_pooled import replay
+
+    db = tmp_path / "orchestrator.db"
+    conn = sqlite3.connect(db)
+    conn.executescript("CREATE TABLE runs (id INTEGER PRIMARY KEY, command TEXT);"
+                       "CREATE TABLE steps (id INTEGER PRIMARY KEY, run_id INTEGER, plugin TEXT);"
+                       "CREATE TABLE measurements (id INTEGER PRIMARY KEY, run_id INTEGER, step_id INTEGER, "
+                       "role TEXT, arm TEXT, repeat INTEGER, ok INTEGER, value REAL, server INTEGER);"
+                       "INSERT INTO runs VALUES (1, 'run'), (2, 'calibrate');")
+    servers = Servers(3)
+    step = 0
+
+    def record(plugin: str, blocks: list[tuple[list[float], list]], run: int = 1) -> None:
+        nonlocal step
+        step += 1
+        conn.execute("INSERT INTO steps VALUES (?, ?, ?)", (step, run, plugin))
+        repeat = 0
+        for logs, starts in blocks:
+            for value, (kept, cand) in zip(logs, starts):
+                for arm, v, server in (("baseline", 100.0, kept), ("candidate", 100.0 * math.exp(value), cand)):
+                    conn.execute("INSERT INTO measurements (run_id, step_id, role, arm, repeat, ok, value, server) "
+                                 "VALUES (?, ?, 'throughput', ?, ?, 1, ?, ?)", (run, step, arm, repeat, v, server))
+                repeat += 1
+
+    for i in range(3):
+        record(f"(A/A {i + 1})", [servers.block(0.0, 2, 0.03, 0.01)])
+    for plugin in ("first", "second"):
+        record(plugin, [servers.block(0.1, 2, 0.03, 0.01), servers.block(0.1, 1, 0.03, 0.01)])
+    record("(A/A 1)", [servers.block(0.0, 2, 0.5, 0.01)], run=2)  # a later calibrate's own: not this run's
+    conn.commit()
+    conn.close()
+    lines = replay(db, Policy(rule="stat", min_gain=0.02))
+    assert lines[0].startswith("calibration: ") and lines[0].endswith("(2 df)"), lines[0]
+    first, second = lines[1], lines[2]
+    assert first.startswith("first") and first.count("[") == 2 and first.endswith("(2 df)"), first
+    assert second.startswith("second") and second.endswith("(3 df)"), second
+    assert len(lines) == 3
