@@ -146,6 +146,16 @@ def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
     decisions = [json.loads(d["decision"]) for d in rows(root, "SELECT d.decision FROM decisions d JOIN steps s "
                                                                "ON s.id = d.step_id WHERE s.kind = 'attempt'")]
     assert len(decisions) == NO_OPS + 1 and all(d["between"] and d["ci_low"] is not None for d in decisions)
+    # each decision on several blocks of servers is pooled into the spread the decisions after it count
+    [c] = rows(root, "SELECT * FROM calibrations")
+    ordered = [json.loads(d["decision"]) for d in rows(root, "SELECT d.decision FROM decisions d JOIN steps s ON "
+                                                             "s.id = d.step_id WHERE s.kind = 'attempt' ORDER BY d.id")]
+    expected = c["between_df"]
+    for d in ordered:
+        assert d["between_df"] == expected, (d, expected)
+        kept_servers, blocks = d["starts"]
+        expected += blocks - 1 if kept_servers in (1, blocks) else 0
+    assert expected > c["between_df"], ordered  # at least one decision took a second block
     starts = len((root / "starts.txt").read_text().split())
     in_attempts = rows(root, "SELECT count(*) AS n FROM processes p JOIN steps s ON s.id = p.step_id "
                              "WHERE p.what LIKE 'live server%' AND s.kind = 'attempt'")[0]["n"]
