@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
 from orchestrator.fingerprint import environment
-from orchestrator.status import offset_line, screening_line, screening_of, wake_line
+from orchestrator.status import offset_line, pooled_line, screening_line, screening_of, wake_line
 from orchestrator.store import Reader, label, loads
 
 
@@ -232,6 +232,8 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
                 f"{summary.get('pairs_needed') or 'over 100'} pairs on one pair of servers (sample noise only), "
                 f"{summary.get('starts_needed') or 'over 100'} starts"]
         if (line := offset_line(summary.get("fresh_offset"))) is not None:
+            out.append(f"- {line}")
+        if (line := pooled_line([s.decision for s in stages], c["between_df"])) is not None:
             out.append(f"- {line}")
         if wake := summary.get("wake"):
             out.append(f"- {wake_line(wake).strip()}")

@@ -152,9 +152,24 @@ def calibration_lines(data: dict[str, Any]) -> list[str]:
              "starts, to show no gain"]
     if (line := offset_line(c.get("fresh_offset"))) is not None:
         lines.append(f"  {line}")
+    decisions = [s.get("decision") for s in [*(data.get("steps") or []), data.get("final") or {}]]
+    if (line := pooled_line(decisions, c.get("between_df"))) is not None:
+        lines.append(f"  {line}")
     if wake := c.get("wake"):
         lines.append(wake_line(wake))
     return lines
+
+
+def pooled_line(decisions: list[dict[str, Any] | None], calibrated_df: int | None) -> str | None:
+    """The spread between starts the run's latest decision counted, where the run had pooled its decisions on
+    several blocks of servers into the calibration's (noise.folded)."""
+    pooled = [d for d in decisions if d and d.get("between_df") and calibrated_df is not None
+              and d["between_df"] > calibrated_df]
+    if not pooled:
+        return None
+    last = pooled[-1]
+    return (f"pooled with the run's decisions on several blocks of servers: between starts {last['between']:.2%} "
+            f"({last['between_df']} degrees of freedom), as the latest decision counted it")
 
 
 def offset_line(fresh: dict[str, Any] | None) -> str | None:

@@ -156,6 +156,11 @@ def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
         kept_servers, blocks = d["starts"]
         expected += blocks - 1 if kept_servers in (1, blocks) else 0
     assert expected > c["between_df"], ordered  # at least one decision took a second block
+    # the final re-validation counted all of it, and status and the report say so
+    said = f"({expected} degrees of freedom), as the latest decision counted it"
+    assert said in cli(root, "status").stdout.replace("\n", " ")
+    cli(root, "report", "--out", "report")
+    assert said in (root / "report" / "run-1.md").read_text()
     starts = len((root / "starts.txt").read_text().split())
     in_attempts = rows(root, "SELECT count(*) AS n FROM processes p JOIN steps s ON s.id = p.step_id "
                              "WHERE p.what LIKE 'live server%' AND s.kind = 'attempt'")[0]["n"]
