@@ -345,7 +345,7 @@ class Stager:
             return self.probe_failed(plugin, variant, step_id, name, e.spec, e.result, str(e))
         if pairing.mode == "reused":
             self.kept.samples = pairing.kept_samples
-        if self.noise is not None and verdict.decision is not None and verdict.decision.rule == "stat":
+        if self.noise is not None and pairing.mode != "reused" and getattr(verdict.decision, "rule", None) == "stat":
             self.noise = folded(self.noise, *verdict.server_pairs())  # the next decisions judge by the pooled spread
         vetoes = guardrail_vetoes(policy, verdict)
         self.prober.record(verdict, policy, vetoes)
