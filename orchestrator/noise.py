@@ -27,8 +27,8 @@ calibration itself allows at 97.5% confidence. Pure functions, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -47,13 +47,6 @@ class Noise:
     pooled: int = 0  # decisions folded into `between` since the calibration (`folded`)
     floor: float | None = None  # the lowest `between` the calibration allows (set at the first fold)
     raw: float | None = None  # the pooled estimate of between² before the floor (may be negative)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Noise":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 def components(blocks: Sequence[Sequence[float]], kept_restarted: bool) -> tuple[float, float, int]:
