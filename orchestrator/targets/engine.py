@@ -82,12 +82,12 @@ class EngineTargetConfig(TargetConfig):
     # but not the server's CPU time). Default: cpu_score on a CPU, score on a GPU.
     objective: Literal["score", "cpu_score"] | None = None
     cpu_threads: int = Field(1, ge=1)  # torch threads of the probes' engines on a CPU: fixed, not racing
-    # How a candidate's samples pair with the last kept state's (orchestrator/pairing.py). auto: on a CPU
-    # simultaneous (both servers on one core, interleaved by the OS every few milliseconds, so both see the
-    # same machine, where the cores' speed drifts by 10-20% within seconds); on a GPU coresident (both
-    # servers alive on the card, each with a KV cache of `coresident_kv_memory`, sampled one after the other).
-    # simultaneous on a GPU: both servers on the card with that KV cache and on one core, their windows taken at
-    # once, so that the host's drift (a virtual machine's neighbours, a step that waits on its launches) is shared.
+    # How a candidate's samples pair with the last kept state's (orchestrator/pairing.py). auto: simultaneous,
+    # on a CPU both servers on one core, interleaved by the OS every few milliseconds, so both see the same
+    # machine, where the cores' speed drifts by 10-20% within seconds; on a GPU both servers on the card, each
+    # with a KV cache of `coresident_kv_memory`, and on one core, their windows taken at once, so that the host's
+    # drift (a virtual machine's neighbours, a step that waits on its launches) is shared (windows one after the
+    # other varied by 8-16% there). coresident: both servers alive on the card, sampled one after the other.
     arms: Literal["auto", "sequential", "coresident", "simultaneous"] = "auto"
     simultaneous_arms: bool | None = None  # older spelling: true is arms: simultaneous, false arms: sequential
     coresident_kv_memory: int = Field(CORESIDENT_KV_MEMORY, ge=1 << 20)
