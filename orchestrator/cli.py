@@ -34,6 +34,8 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="orchestrator.yaml (defaul
                                                        "embedded default)")
 ArmsOpt = typer.Option(None, "--arms", help="embedded default: how a candidate's samples pair with the kept state's "
                        "(auto, sequential, coresident, simultaneous; target.arms)")
+CoresOpt = typer.Option(None, "--server-cores", help="embedded default: the cores of simultaneous arms' servers "
+                        "while measured (shared, own; target.server_cores)")
 
 
 def command(fn: Callable) -> Callable:
@@ -162,6 +164,7 @@ def run(config: Optional[Path] = ConfigOpt,
         dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
         num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth"),
         arms: Optional[str] = ArmsOpt,
+        server_cores: Optional[str] = CoresOpt,
         attribute: bool = typer.Option(False, "--attribute", help="after the final re-validation, measure each "
                                        "kept plugin's contribution (the stack without it against the whole stack)"),
         reverify: bool = typer.Option(False, "--reverify", help="stage nothing; re-judge the kept plugins whose "
@@ -178,7 +181,7 @@ def run(config: Optional[Path] = ConfigOpt,
     from orchestrator.loop import Interrupted, run as stage_all
     from orchestrator.status import status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers,
-                                "arms": arms})
+                                "arms": arms, "server_cores": server_cores})
     plugins = _plugins(project)
     only_ids, skip_ids = _ids(only), _ids(skip)
     if reverify and (attribute or only_ids or skip_ids or workers or ray_address):
@@ -258,7 +261,8 @@ def calibrate(config: Optional[Path] = ConfigOpt,
               device: Optional[str] = typer.Option(None, help="embedded default: the engine's device"),
               dtype: Optional[str] = typer.Option(None, help="embedded default: float32, float16 or bfloat16"),
               num_layers: Optional[int] = typer.Option(None, help="embedded default: the model's depth"),
-              arms: Optional[str] = ArmsOpt) -> None:
+              arms: Optional[str] = ArmsOpt,
+              server_cores: Optional[str] = CoresOpt) -> None:
     """An A/A test of the target as it is: the spread of the objective within a server's life and between starts,
     the false-keep rate and the pairs needed at the policy's bar. Later runs judge by it."""
     from orchestrator.calibrate import run_calibration
@@ -266,7 +270,7 @@ def calibrate(config: Optional[Path] = ConfigOpt,
     from orchestrator.loop import Interrupted
     from orchestrator.status import calibration_lines, status_data
     project = _project(config, {"model": preset, "device": device, "dtype": dtype, "num_layers": num_layers,
-                                "arms": arms})
+                                "arms": arms, "server_cores": server_cores})
     plugins = _plugins(project)
     project.target.check()
     with project_lock(project):

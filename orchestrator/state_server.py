@@ -72,6 +72,7 @@ class StateServer:
         self.unchecked: set[str] = set()  # serving correctness probes due on it (sleeping pairing, above)
         self.turns: Turns | None = None  # its serving driver, where it is filled once (orchestrator/turns.py)
         self.aside = False  # started on CPUs of its own, not yet moved for its samples (`measured`)
+        self.arm: str | None = None  # the side it serves: "baseline" or "candidate"
         self._healthy = False
         self._step_id: int | None = None
         self._mark = ""
@@ -125,8 +126,8 @@ class StateServer:
         self._mark, self._since = new_mark(), time.time() - 5  # start times are rounded to the boot time's second
         server = self.target.live_server(marked_env(env, self._mark),
                                          label=log_name(f"run{self.run.run_id}", label, arm), beside=self.pinned,
-                                         aside=aside)
-        self.aside = aside
+                                         aside=aside, arm=arm)
+        self.aside, self.arm = aside, arm
         self.run.reporter.phase(label, f"starting the {self.what}")
         server.start()  # ServerFailed("crashed") when the command cannot be started: nothing runs then
         self.server = server
@@ -162,7 +163,7 @@ class StateServer:
         if not self.aside or self.server is None:
             return
         self.wait()
-        if cpus := self.target.server_cpus(self.pinned, measured=True):
+        if cpus := self.target.server_cpus(self.pinned, measured=True, arm=self.arm):
             move(self.server.pid, cpus)
         self.aside = False
 

@@ -74,16 +74,18 @@ class Target:
         return []
 
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    beside: str | None = None, aside: bool = False) -> "LiveServer | None":
+                    beside: str | None = None, aside: bool = False, arm: str | None = None) -> "LiveServer | None":
         """An unstarted server of the target's current state that several probes can share (see
         ``probes_against``); None when there is none to share. `beside`: it will live beside a server of another
         state, "coresident" (measured one after the other) or "simultaneous" (at the same time). `aside`: on
-        ``server_cpus(beside, measured=False)`` until it is moved for its samples."""
+        ``server_cpus(beside, measured=False)`` until it is moved for its samples. `arm`: "baseline" or
+        "candidate", the side it serves."""
         return None
 
-    def server_cpus(self, beside: str | None, measured: bool = True) -> set[int] | None:
+    def server_cpus(self, beside: str | None, measured: bool = True, arm: str | None = None) -> set[int] | None:
         """The CPUs a live server beside another runs on (None: wherever the OS puts it): while its samples are
-        taken (`measured`), or from its start until then, where it was started aside."""
+        taken (`measured`), or from its start until then, where it was started aside; `arm` as for
+        ``live_server``."""
         return None
 
     def has_server(self) -> bool:

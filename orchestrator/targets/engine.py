@@ -27,15 +27,19 @@ def shipped_baseline() -> Path:
     return Path(str(importlib.resources.files("engine").joinpath("configs", "baseline.yaml")))
 
 
-def cores() -> tuple[int, int] | None:
-    """(shared, spare): the core both servers of a simultaneous comparison run on while measured, the first this
-    process may use, and the one a server started aside runs on until then, the last (the probes' clients use every
-    core but the first). None where affinity cannot be set or only one core is there."""
+def cores() -> list[int] | None:
+    """The cores this process may use, in order: the first is the one both servers of a simultaneous comparison
+    run on while measured (with `server_cores: own`, the second the candidate's), the last the one a server
+    started aside runs on until then; the probes' clients use every core but the measured servers'. None where
+    affinity cannot be set or only one core is there."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return None
-    return (cpus[0], cpus[-1]) if len(cpus) > 1 else None
+    return cpus if len(cpus) > 1 else None
+
+
+OWN_CORES_MIN = 4  # each server a core of its own, one for the server started aside, one for the probes at least
 
 
 SERVE_CONFIG = "serve.yaml"
@@ -89,6 +93,11 @@ class EngineTargetConfig(TargetConfig):
     # drift (a virtual machine's neighbours, a step that waits on its launches) is shared (windows one after the
     # other varied by 8-16% there). coresident: both servers alive on the card, sampled one after the other.
     arms: Literal["auto", "sequential", "coresident", "simultaneous"] = "auto"
+    # The cores of simultaneous arms' servers while measured: shared (one core, so that its drift slows both
+    # alike), or own (a core each, where there are OWN_CORES_MIN cores or more: an engine whose steps wait on its
+    # host runs at a whole core's speed then, and the cores' drifts are no longer shared). Not yet measured
+    # against each other on a GPU.
+    server_cores: Literal["shared", "own"] = "shared"
     simultaneous_arms: bool | None = None  # older spelling: true is arms: simultaneous, false arms: sequential
     coresident_kv_memory: int = Field(CORESIDENT_KV_MEMORY, ge=1 << 20)
     # Side-by-side servers (coresident or simultaneous) filled once, each sample a window of its steady state
@@ -260,31 +269,37 @@ class EngineTarget(Target):
         return True
 
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    beside: str | None = None, aside: bool = False) -> LiveServer:
+                    beside: str | None = None, aside: bool = False, arm: str | None = None) -> LiveServer:
         """An unstarted engine server of the workspace's serve config (a free port on 127.0.0.1), its log
         kept under the state folder (the engine reads its serve config and loads its code at start, so it
         serves that state however the workspace changes afterwards). Beside a simultaneous arm it is pinned to
         the one core both share (`aside`: to a core of its own until moved there); beside another on a GPU its
         KV cache is `coresident_kv_memory`."""
         argv = engine_server_argv(str(self.workspace / SERVE_CONFIG))
-        if cpus := self.server_cpus(beside, measured=not aside):
+        if cpus := self.server_cpus(beside, measured=not aside, arm=arm):
             argv += ["--cpu-affinity", *map(str, sorted(cpus))]
         if beside in SIDE_BY_SIDE and self.on_gpu():
             argv += ["--kv-cache-memory", str(self.config.coresident_kv_memory)]
         return LiveServer(argv, env=env, log_dir=self.server_logs, log_label=label)
 
-    def server_cpus(self, beside: str | None, measured: bool = True) -> set[int] | None:
+    def server_cpus(self, beside: str | None, measured: bool = True, arm: str | None = None) -> set[int] | None:
         """Both servers of a simultaneous comparison share one core while measured (the OS interleaves them finely,
-        so that a core's drift slows both alike); one started aside runs on a core of its own until then, so that
-        its start, its fill and the other's correctness probe do not halve each other's host time."""
-        if beside != "simultaneous" or (both := cores()) is None:
+        so that a core's drift slows both alike), or with `server_cores: own` the candidate's has the next; one
+        started aside runs on the last core until then, so that its start, its fill and the other's correctness
+        probe do not halve each other's host time."""
+        if beside != "simultaneous" or (cpus := cores()) is None:
             return None
-        return {both[0] if measured else both[1]}
+        if not measured:
+            return {cpus[-1]}
+        return {cpus[1]} if arm == "candidate" and self.own_cores(cpus) else {cpus[0]}
+
+    def own_cores(self, cpus: list[int]) -> bool:
+        return self.config.server_cores == "own" and len(cpus) >= OWN_CORES_MIN
 
     def probe_cpus(self) -> set[int] | None:
-        if (both := cores()) is None:
+        if (cpus := cores()) is None:
             return None
-        return set(os.sched_getaffinity(0)) - {both[0]}
+        return set(cpus) - set(cpus[:2] if self.own_cores(cpus) else cpus[:1])
 
     def pairing(self) -> str:
         arms = self.config.arms

@@ -73,7 +73,7 @@ class FilesTarget(Target):
         return self.config.server is not None
 
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    beside: str | None = None, aside: bool = False) -> LiveServer | None:
+                    beside: str | None = None, aside: bool = False, arm: str | None = None) -> LiveServer | None:
         spec = self.config.server
         if spec is None:
             return None

@@ -173,7 +173,7 @@ class VllmTarget(Target):
         return SLEEP_PATHS
 
     def live_server(self, env: dict[str, str] | None = None, label: str = "server",
-                    beside: str | None = None, aside: bool = False) -> LiveServer:
+                    beside: str | None = None, aside: bool = False, arm: str | None = None) -> LiveServer:
         """An unstarted server of the serve config as it is on disk now (a free port on 127.0.0.1),
         with the target's stop grace period and a log kept under the state folder. For a caller
         that wants one start to serve several probes: ``start()``, ``wait_healthy(startup_timeout)``,

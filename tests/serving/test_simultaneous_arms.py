@@ -149,3 +149,39 @@ def test_coresident_servers_live_through_the_whole_decision_and_the_kept_one_ser
     assert by("(final)", "baseline") == {original["id"]}
     assert alive_with(str(tmp_path)) == []
     assert query(tmp_path, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
+
+
+def test_own_server_cores_give_the_candidate_the_next_core_where_there_are_enough(tmp_path, monkeypatch):
+    """`server_cores: own`: measured, the kept state's server on the first core and the candidate's on the second,
+    the probes on neither; started aside, the last; with fewer than four cores both share the first, as by
+    default. The embedded default takes it from `--server-cores`."""
+    import orchestrator.targets.engine as engine_target
+    from orchestrator.loading import ConfigError
+
+    (tmp_path / "plugins").mkdir()
+    config = STAGED_CONFIG.format(arms="simultaneous")
+    for cores, mode, base, cand, probes in [
+            (list(range(8)), "own", {0}, {1}, set(range(2, 8))),
+            (list(range(8)), "shared", {0}, {0}, set(range(1, 8))),
+            ([0, 1, 2], "own", {0}, {0}, {1, 2})]:
+        monkeypatch.setattr(engine_target, "cores", lambda cores=cores: cores)
+        (tmp_path / "orchestrator.yaml").write_text(config.replace("  arms: simultaneous\n",
+                                                                   f"  arms: simultaneous\n  server_cores: {mode}\n"))
+        target = load(tmp_path / "orchestrator.yaml").target
+        assert target.server_cpus("simultaneous", arm="baseline") == base, (cores, mode)
+        assert target.server_cpus("simultaneous", arm="candidate") == cand, (cores, mode)
+        assert target.server_cpus("simultaneous", measured=False, arm="candidate") == {cores[-1]}
+        assert target.server_cpus("coresident", arm="candidate") is None
+        assert target.probe_cpus() == probes, (cores, mode)
+        argv = target.live_server(beside="simultaneous", arm="candidate").argv
+        assert argv[argv.index("--cpu-affinity") + 1:][:1] == [str(min(cand))]
+    monkeypatch.setattr(engine_target, "cores", lambda: list(range(8)))
+    embedded = load(None, tmp_path / "plugins", {"device": "cuda", "server_cores": "own"}).target
+    assert embedded.server_cpus("simultaneous", arm="candidate") == {1}
+    (tmp_path / "orchestrator.yaml").write_text(config.replace("  arms: simultaneous\n",
+                                                               "  arms: simultaneous\n  server_cores: mine\n"))
+    before = (tmp_path / "orchestrator.yaml").read_bytes()
+    with pytest.raises(ConfigError) as bad:
+        load(tmp_path / "orchestrator.yaml")
+    assert "server_cores" in str(bad.value) and "orchestrator.yaml" in str(bad.value)
+    assert (tmp_path / "orchestrator.yaml").read_bytes() == before
