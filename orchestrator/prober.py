@@ -5,7 +5,6 @@ alive. The caller puts states on disk; this module never changes the target."""
 from __future__ import annotations
 
 import math
-
 import statistics
 import time
 from dataclasses import dataclass, field
