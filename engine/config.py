@@ -166,6 +166,10 @@ class EngineConfig:
         return {"block_m": self.prefill_block_m, "block_n": self.prefill_block_n,
                 "num_warps": self.prefill_num_warps}
 
+    def graphs_on_gpu(self) -> bool:
+        """Whether decode steps replay from CUDA graphs here (what async-scheduling overlaps)."""
+        return self.cuda_graphs and self.torch_device().type == "cuda"
+
     def torch_device(self):
         import torch
 

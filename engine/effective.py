@@ -87,7 +87,7 @@ def effective(config: EngineConfig, max_context: int | None = None) -> dict[str,
         out["cuda-graphs"] = config.cuda_graphs
     else:
         ignored["cuda-graphs"] = f"CUDA graphs do not run on {device.type}"
-    if device.type == "cuda" and config.cuda_graphs:
+    if config.graphs_on_gpu():
         out["async-scheduling"] = config.async_scheduling
     elif config.async_scheduling:
         ignored["async-scheduling"] = "it overlaps the steps replayed from CUDA graphs, and none are here"

@@ -9,6 +9,5 @@ def graphs_on_cuda(root: Path, serve_config: str) -> bool:
     from engine.config import load_config
 
     config = load_config(Path(root) / serve_config)
-    device = config.torch_device()
-    print(f"engine device: {device}, cuda-graphs: {config.cuda_graphs}")
-    return device.type == "cuda" and config.cuda_graphs
+    print(f"engine device: {config.torch_device()}, cuda-graphs: {config.cuda_graphs}")
+    return config.graphs_on_gpu()
