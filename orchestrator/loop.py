@@ -51,7 +51,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
     noise = sleep_or_restart(ctx, prober.objective, latest(store, prober.objective, ctx.pairing)) \
         if prober.throughput else None
     stager = Stager(ctx, prober, kept, deployment, noise)
-    restack = Restack(ctx, prober, kept, deployment, plugins, noise)
+    restack = Restack(ctx, prober, kept, deployment, plugins, lambda: stager.noise)
     screening = Screening(stager, pool, plugins) if pool is not None else None
     try:
         try:
@@ -65,7 +65,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                 stager.baseline()
                 calibration = project.policy.calibrate if noise is None and prober.throughput else None
                 if calibration and (calibration.at == "start" or screening is not None):
-                    stager.noise = restack.noise = calibrated(ctx, prober, kept)
+                    stager.noise = calibrated(ctx, prober, kept)
                 if screening is not None:
                     screening.stage(chosen, earlier)
                 else:
@@ -74,11 +74,10 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                             stager.decided_earlier(plugin, earlier[plugin.id])
                             continue
                         if stager.noise is None and calibration and deployment.kept_by([*chain, ctx.run_id]):
-                            stager.noise = restack.noise = calibrated(ctx, prober, kept)  # of the first kept state
+                            stager.noise = calibrated(ctx, prober, kept)  # of the first kept state
                         stager.stage(plugin)
                 kept_steps = deployment.kept_by([*chain, ctx.run_id])
                 if prober.throughput and kept_steps:
-                    restack.noise = stager.noise  # as the decisions pooled it
                     restack.revalidate(kept_steps)
                     if attribute:
                         restack.attribute(kept_steps)

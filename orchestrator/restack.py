@@ -7,6 +7,8 @@ the deployment the candidate, so a gain is the deployment's.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.deployment import Deployment
@@ -25,8 +27,11 @@ FINAL = "(final)"  # the final re-validation's step is named so; its kind says w
 
 
 class Restack:
+    """Re-measurements of the kept stack: the final re-validation, attribution, re-verification. `noise`: the noise
+    to judge by when asked (the Stager owns it: calibrated, then pooled over its decisions)."""
+
     def __init__(self, run: RunContext, prober: Prober, kept: KeptState, deployment: Deployment,
-                 plugins: list[Plugin], noise: Noise | None = None):
+                 plugins: list[Plugin], noise: Callable[[], Noise | None] = lambda: None):
         self.run = run
         self.store = run.store
         self.journal = run.journal
@@ -68,7 +73,7 @@ class Restack:
                 read, failed = self.prober.configuration_of(step_id, base, "baseline", name)
                 cand.put_on_disk()
                 one_at_a_time = one_at_a_time or failed is not None or self.kept.memory_changed(read, keys)
-            pairing = choose(self.prober, policy, self.noise, None, one_at_a_time)
+            pairing = choose(self.prober, policy, self.noise(), None, one_at_a_time)
             if pairing.mode == "sequential":
                 self.kept.release()
             return pairing.measure(step_id, name, base, cand)
