@@ -35,7 +35,7 @@ target:
   package: {package}
   serve_config: serve/serve.yaml
   startup_timeout: 30
-  stop_timeout: 8  # a stand-in that exits on SIGTERM took over 3 s on a loaded 2-core machine once
+  stop_timeout: 3
   check_timeout: 300
   server_timeout: 300
   workload: {{num_prompts: 16, input_len: 32, output_len: 32, max_concurrency: 16, shared_prefix_fraction: 0.5,
@@ -181,8 +181,12 @@ def test_live_run_keeps_rolls_back_and_leaves_nothing_behind(deployment):
     # a server that ignores SIGTERM is killed, and no probe is blamed for it
     killed = query(deployment, "SELECT e.message, s.plugin FROM events e LEFT JOIN steps s ON s.id = e.step_id "
                                "WHERE e.kind = 'server_killed'")
-    assert [k["plugin"] for k in killed] == ["stubborn"], killed
-    assert "did not exit within 8 s of SIGTERM" in killed[0]["message"]
+    # where `stubborn` (a no-op for speed) was kept, the states after it hold its member too
+    order = list(steps)
+    after = order[order.index("stubborn") + 1:] + ["(final)"] if steps["stubborn"]["outcome"] == "kept" else []
+    assert killed and killed[0]["plugin"] == "stubborn" and {k["plugin"] for k in killed} <= {"stubborn", *after}, \
+        killed
+    assert "did not exit within 3 s of SIGTERM" in killed[0]["message"]
     assert steps["stubborn"]["outcome"] in ("kept", "rolled_back")
     assert steps["stubborn"]["reason"] not in ("crashed", "incorrect", "timeout", "probe_failed")
     # a server that exits mid-sample: crashed, with its exit code; the control's sample starts a server of its own
