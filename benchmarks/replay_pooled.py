@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from orchestrator.decide import Judge
-from orchestrator.noise import Noise, components, folded
+from orchestrator.noise import components, folded
 from orchestrator.policy import Policy
 
 
@@ -42,7 +42,7 @@ def replay(db: Path, policy: Policy) -> list[str]:
     blocks = [[math.log(c / b) for b, _, c, _ in pairs] for plugin, pairs in steps if plugin.startswith("(A/A")]
     if len(blocks) < 2:
         raise SystemExit(f"{db}: the run has {len(blocks)} A/A steps; a replay needs its calibration's blocks")
-    calibrated = noise = Noise(*components(blocks, kept_restarted=True))
+    calibrated = noise = components(blocks, kept_restarted=True)
     fmt = lambda v: "n/a" if v is None else f"{v:+.1%}"  # noqa: E731
     lines = [f"calibration: within {calibrated.within:.2%}, between {calibrated.between:.2%} "
              f"({calibrated.between_df} df)"]

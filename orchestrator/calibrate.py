@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,8 @@ import numpy as np
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.kept import KeptState
-from orchestrator.noise import (Noise, components, offset, pairs_needed, pairs_per_start, starts_needed, wake_spread,
-                                wakes_like_fresh)
+from orchestrator.noise import (Noise, ceiling, components, offset, pairs_needed, pairs_per_start, starts_needed,
+                                wake_spread, wakes_like_fresh)
 from orchestrator.pairing import Together, choose
 from orchestrator.policy import Policy
 from orchestrator.prober import Arm, Prober, fingerprint
@@ -73,7 +74,8 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                        "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)]})
     kept.arm.show = None
     kept_restarted = mode in ("simultaneous", "sequential")
-    within, between, df = components([b["logs"] for b in blocks], kept_restarted)
+    measured = components([b["logs"] for b in blocks], kept_restarted)
+    within, between, df = measured.within, measured.between, measured.between_df
     steps = [b["step"] for b in blocks]
     start_s, pair_s = costs(store, run.run_id, steps)
     wake = None
@@ -83,7 +85,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
             pair_s += sum(switched) / (pairs * starts)
         wake = wake_spread(samples)
     spread, p, still = wake[:3] if wake else (None, None, None)
-    noise = Noise(within, between, df, start_s, pair_s, wake=spread, wake_p=p, still=still)
+    noise = replace(measured, start_seconds=start_s, pair_seconds=pair_s, wake=spread, wake_p=p, still=still)
     summary = judged_blocks(run, prober, blocks, kept_restarted, run.project.policy)
     per_block = pairs_per_start(noise, run.project.policy.max_pairs)
     policy = run.project.policy
@@ -102,7 +104,8 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                         "simulated decisions")
     summary.update(
         pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
-        simulated=simulated, fresh_offset=fresh, blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks])
+        simulated=simulated, fresh_offset=fresh, blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks],
+        raw=noise.raw, carried=noise.carried, ceiling=ceiling(noise))
     if mode == "sleeping":
         summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "still": noise.still,
                            "like_fresh": wakes_like_fresh(noise), "same": wake[3] if wake else 0,
@@ -112,7 +115,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                                            pairs=pairs, within_sd=within, between_sd=between, between_df=df,
                                            start_seconds=start_s, pair_seconds=pair_s, summary=summary,
                                            fingerprint=fingerprint())
-    return Noise(within, between, df, start_s, pair_s, calibration_id, noise.wake, noise.wake_p, noise.still)
+    return replace(noise, calibration=calibration_id)
 
 
 def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_restarted: bool,
@@ -122,8 +125,7 @@ def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_rest
     for j, block in enumerate(blocks):
         others = [b["logs"] for i, b in enumerate(blocks) if i != j]
         try:
-            w, b, df = components(others, kept_restarted)
-            noise = Noise(w, b, df)
+            noise = components(others, kept_restarted)
         except ValueError:  # two blocks: one left cannot say how starts differ
             noise = None
         starts = [tuple(s) for s in block["starts"]]
@@ -158,26 +160,25 @@ def simulate(noise: Noise, policy: Policy, per_block: int, restarted: bool, effe
     rng = np.random.default_rng(seed)
     policy = policy.model_copy(update=dict(interleave=True, rule="stat"))
     budget = min(policy.max_pairs, per_block * policy.max_starts)
-    plan = (budget, -(-budget // per_block))
     kept = {"counting": 0, "ignoring": 0}
     for _ in range(trials):
-        offset = {}
+        offset: dict[tuple[str, object], float] = {}
         for way, judge in (("counting", decide.Judge(policy, noise)), ("ignoring", decide.Judge(policy))):
-            base, cand, starts = [], [], []
-            for n in range(budget):
-                block = n // per_block
+            blocks = [0]
+
+            def take(n: int, fresh: bool):
+                blocks[0] += fresh
+                block = blocks[0]
                 kb = ("k", block if (restarted or block) else "shared")
                 cb = ("c", block)
                 for key in (kb, cb):
                     if key not in offset:
                         offset[key] = rng.normal(0, noise.between)
-                base.append(math.exp(offset[kb] + rng.normal(0, noise.within)))
-                cand.append(math.exp(math.log1p(effect) + offset[cb] + rng.normal(0, noise.within)))
-                starts.append((kb, cb))
-                d = judge.decide(base, cand, final=n + 1 >= budget, starts=starts, plan=plan)
-                if d is not None:
-                    kept[way] += decide.outcome(d, (), policy)[0] == "kept"
-                    break
+                return (math.exp(offset[kb] + rng.normal(0, noise.within)),
+                        math.exp(math.log1p(effect) + offset[cb] + rng.normal(0, noise.within)), (kb, cb))
+
+            d = judge.until_decided(take, per_block, budget)
+            kept[way] += decide.outcome(d, (), policy)[0] == "kept"
     return {f"keep_rate_{way}": count / trials for way, count in kept.items()} | {"effect": effect}
 
 
@@ -192,9 +193,11 @@ def latest(store, objective: str | None, pairing: str) -> Noise | None:
         recorded = loads(row["fingerprint"])
         if recorded and is_stale(recorded, current):
             continue
-        wake = (loads(row["summary"]) or {}).get("wake") or {}
+        summary = loads(row["summary"]) or {}
+        wake = summary.get("wake") or {}
         return Noise(row["within_sd"], row["between_sd"], row["between_df"], row["start_seconds"], row["pair_seconds"],
-                     row["id"], wake.get("spread"), wake.get("p"), wake.get("still"))
+                     row["id"], wake.get("spread"), wake.get("p"), wake.get("still"), raw=summary.get("raw"),
+                     carried=summary.get("carried"))
     return None
 
 

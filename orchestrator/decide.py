@@ -9,29 +9,33 @@ paired t interval; without interleaving it falls back to Welch's interval on the
 
 Pairs taken on the same two live servers share those servers' start effects, which no number of
 pairs averages away. Given the noise an A/A calibration measured (noise.py) and the server each
-sample came from, the paired interval adds the start effects the pairs carry: the interval is as
-wide as the evidence, whether the pairs came from one pair of servers or several. See
-docs/decisions.md for why these were chosen over Mann-Whitney U.
+sample came from, the paired interval adds the start effects the pairs carry, pooled with what this
+decision's own blocks of servers show: the interval is as wide as the evidence, whether the pairs
+came from one pair of servers or several. A keep on one pair of servers that the start effects the
+run cannot yet rule out could explain is confirmed on fresh servers first (``Judge.confirmed``,
+``Judge.until_decided``). See docs/decisions.md for why these were chosen over Mann-Whitney U.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 from scipy import stats
 
-from orchestrator.noise import Noise
+from orchestrator.noise import Noise, ceiling, folded
 from orchestrator.policy import Policy
 
 VERDICTS = ("keep", "no_gain", "regressed", "inconclusive")
 
 # A pair's two servers: (the baseline sample's, the candidate sample's), any hashable label of a server's life.
 Starts = Sequence[tuple[Hashable, Hashable]]
+# Pair n from a pairing, a block of fresh servers first where asked: (baseline value, candidate value, servers).
+Take = Callable[[int, bool], tuple[float, float, tuple[Hashable, Hashable]]]
 
 
 @dataclass
@@ -208,12 +212,13 @@ class Judge:
             return invalid
         if n < self.min_pairs and not final:
             return None
-        mean, low, high = self._interval(baseline, candidate, starts)
+        noise = self.noise_for(baseline, candidate, starts)
+        mean, low, high = self._interval(baseline, candidate, starts, noise)
         notes: list[str] = []
         held = False
         if self._implausible(mean):
-            prior = (self._interval(baseline[:n - 1], candidate[:n - 1], starts[:n - 1] if starts else None)[0]
-                     if n - 1 >= self.min_pairs else None)
+            prior = (self._interval(baseline[:n - 1], candidate[:n - 1], starts[:n - 1] if starts else None,
+                                    noise)[0] if n - 1 >= self.min_pairs else None)
             if prior is None or not self._implausible(prior):
                 if not final:
                     return None
@@ -224,7 +229,8 @@ class Judge:
                 notes.append(f"implausible effect x{math.exp(mean):.3g} (factor {self.implausible_factor:g}) "
                              "held after re-measuring")
         verdict = verdict_for(low, high, self.min_gain)
-        if verdict is None and not final and plan is not None and self.futile(baseline, candidate, starts, plan, mean):
+        if verdict is None and not final and plan is not None and self.futile(baseline, candidate, starts, plan, mean,
+                                                                               noise):
             notes.append(f"stopped after {n} of at most {plan[0]} pairs: even at the budget's end the interval "
                          f"could not be expected to leave the bar of {self.min_gain:+.1%}")
             final = True
@@ -232,7 +238,7 @@ class Judge:
             if not final:
                 return None
             verdict = "inconclusive"
-        counted = self._counts_starts(starts)
+        counted = self._counts_starts(starts, noise)
         return Decision(
             verdict, math.expm1(mean),
             ci_low=math.expm1(low) if math.isfinite(low) else None,
@@ -241,8 +247,61 @@ class Judge:
             baseline_median=statistics.median(baseline), candidate_median=statistics.median(candidate),
             rule="stat", notes=notes, confidence=self.confidence, min_gain=self.min_gain,
             starts=[len({p[0] for p in starts[:n]}), len({p[1] for p in starts[:n]})] if starts else None,
-            between=self.noise.between if counted else None, between_df=self.noise.between_df if counted else None,
+            between=noise.between if counted else None, between_df=noise.between_df if counted else None,
             implausible=held)
+
+    def noise_for(self, baseline: Sequence[float], candidate: Sequence[float], starts: Starts | None) -> Noise | None:
+        """The run's noise with this decision's own blocks of servers folded in (noise.folded), as the run folds
+        them after it: a fresh block that measures apart from the first widens this decision's interval at once."""
+        if self.noise is None or not starts:
+            return self.noise
+        n = min(len(baseline), len(candidate), len(starts))
+        logs = _logs(candidate[:n], "candidate") - _logs(baseline[:n], "baseline")
+        return folded(self.noise, [float(x) for x in logs], list(starts[:n]))
+
+    def confirmed(self, baseline: Sequence[float], candidate: Sequence[float], starts: Starts | None) -> bool:
+        """Whether a keep stands without a block of fresh servers. One on a single candidate server does only where
+        its interval clears the bar even counting start effects as large as the run cannot yet rule out
+        (noise.ceiling): a calibration that says little of the starts (few blocks of noisy pairs) may estimate them
+        at 0, and one pair of servers whose start effects differ by a few percent then looks like a gain of a few
+        percent, however many pairs it takes. The fresh block decides the keep, and the run pools its spread."""
+        if not (self.rule == "stat" and self.interleave and starts and self.noise is not None
+                and self.noise.between_df):
+            return True
+        n = min(len(baseline), len(candidate), len(starts))
+        if n < 2 or len({pair[1] for pair in starts[:n]}) > 1:
+            return True
+        noise = self.noise_for(baseline, candidate, starts)
+        doubt = replace(noise, between=ceiling(noise))
+        low = carried_interval(baseline, candidate, starts, doubt, self.confidence)[1]
+        return low > math.log1p(self.min_gain)
+
+    def until_decided(self, take: Take, per_block: int, budget: int) -> Decision:
+        """Pairs from `take` until the judge decides, in blocks of `per_block` on the same servers (each further
+        block on fresh ones), at most `budget` pairs. A keep not `confirmed` is not returned while the budget has
+        a pair left: the next pair starts a block of fresh servers, and the judge decides again on both blocks.
+        The one loop of every pairing (pairing.py) and of the calibration's simulations (calibrate.py)."""
+        base: list[float] = []
+        cand: list[float] = []
+        starts: list[tuple[Hashable, Hashable]] = []
+        plan = (budget, -(-budget // per_block))
+        begun, confirm = 0, False
+        while True:
+            n = len(base)
+            fresh = n > 0 and (confirm or n - begun >= per_block)
+            if fresh:
+                begun, confirm = n, False
+            b, c, pair = take(n, fresh)
+            base.append(b)
+            cand.append(c)
+            starts.append(pair)
+            d = self.decide(base, cand, final=n + 1 >= budget, starts=starts, plan=plan)
+            if d is None:
+                continue
+            if d.verdict == "keep" and n + 1 < budget and not self.confirmed(base, cand, starts):
+                confirm = True
+                continue
+            return d
 
     def _invalid(self, baseline: Sequence[float], candidate: Sequence[float]) -> Decision | None:
         """A zero or missing objective ends the comparison at once instead of crashing the log-ratio statistics:
@@ -260,7 +319,7 @@ class Judge:
                         notes=[note], confidence=self.confidence, min_gain=self.min_gain)
 
     def futile(self, baseline: Sequence[float], candidate: Sequence[float], starts: Starts | None,
-               plan: tuple[int, int], mean: float) -> bool:
+               plan: tuple[int, int], mean: float, noise: Noise | None = None) -> bool:
         """Whether more pairs are hopeless: the estimate lies within half the interval the whole budget would
         give (its noise as measured so far, `plan[0]` pairs in `plan[1]` blocks) of the bar. Stopping then
         cannot keep a candidate that more pairs would have kept but rarely, and only ever rolls back, so it is
@@ -272,8 +331,9 @@ class Judge:
             return False
         d = _logs(candidate[:n], "candidate") - _logs(baseline[:n], "baseline")
         var_w = float(d.var(ddof=1)) / pairs
-        var_b = 2 * self.noise.between ** 2 / max(1, blocks) if self._counts_starts(starts) else 0.0
-        parts = [(var_w, pairs - 1)] + ([(var_b, self.noise.between_df)] if var_b > 0 else [])
+        noise = noise if noise is not None else self.noise
+        var_b = 2 * noise.between ** 2 / max(1, blocks) if self._counts_starts(starts, noise) else 0.0
+        parts = [(var_w, pairs - 1)] + ([(var_b, noise.between_df)] if var_b > 0 else [])
         se2 = var_w + var_b
         if se2 == 0:
             return False
@@ -281,15 +341,15 @@ class Judge:
         half = _t_quantile(self.confidence, df) * math.sqrt(se2)
         return abs(mean - math.log1p(self.min_gain)) < half / 2
 
-    def _counts_starts(self, starts: Starts | None) -> bool:
-        return bool(self.interleave and starts and self.noise is not None and self.noise.between > 0)
+    def _counts_starts(self, starts: Starts | None, noise: Noise | None) -> bool:
+        return bool(self.interleave and starts and noise is not None and noise.between > 0)
 
     def _interval(self, baseline: Sequence[float], candidate: Sequence[float],
-                  starts: Starts | None = None) -> tuple[float, float, float]:
+                  starts: Starts | None, noise: Noise | None) -> tuple[float, float, float]:
         if not self.interleave:
             return welch_interval(baseline, candidate, self.confidence)
-        if self._counts_starts(starts):
-            return carried_interval(baseline, candidate, starts, self.noise, self.confidence)
+        if self._counts_starts(starts, noise):
+            return carried_interval(baseline, candidate, starts, noise, self.confidence)
         return paired_interval(baseline, candidate, self.confidence)
 
     def _implausible(self, log_effect: float) -> bool:

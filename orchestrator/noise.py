@@ -22,7 +22,10 @@ A calibration has few blocks (three starts give 2 degrees of freedom), and the s
 quieter than the states judged after it. Every decision that took two or more blocks of fresh servers measures the
 start effects again, so the run folds each into its noise (`folded`): the judge's between-start spread becomes the
 pooled estimate of the calibration and the decisions so far, with their degrees of freedom, never below what the
-calibration itself allows at 97.5% confidence. Pure functions, no I/O.
+calibration itself allows at 97.5% confidence. Where that estimate is uncertain (a calibration whose samples are
+noisy says little of the starts: its estimate may be 0 with an upper bound of 9%), `ceiling` bounds it from above,
+and a keep on one pair of servers that start effects that large could explain is confirmed on fresh servers
+(decide.Judge.confirmed), which also gives the run the blocks it pools. Pure functions, no I/O.
 """
 from __future__ import annotations
 
@@ -46,45 +49,59 @@ class Noise:
     still: float | None = None  # sd of log(objective) from one sample to the next of a server with no sleep between
     pooled: int = 0  # decisions folded into `between` since the calibration (`folded`)
     floor: float | None = None  # the lowest `between` the calibration allows (set at the first fold)
-    raw: float | None = None  # the pooled estimate of between² before the floor (may be negative)
+    raw: float | None = None  # the (pooled) estimate of between² before the floor and 0 (may be negative)
+    carried: float | None = None  # the part of the block means' spread the pairs' own noise explains (`spread`)
 
 
-def components(blocks: Sequence[Sequence[float]], kept_restarted: bool) -> tuple[float, float, int]:
-    """(within, between, between_df) from A/A blocks of pair log ratios log(candidate / kept).
+def spread(blocks: Sequence[Sequence[float]], c: float, pair_ms: float | None = None) -> tuple[float, float, float]:
+    """(spread, carried, pair mean square) of blocks of pair log ratios log(candidate / kept), over `c`.
+
+    Within a block a pair's log ratio varies by 2 within² (its mean square within blocks, `pair_ms`: measured from
+    the blocks, or given where they have too few pairs); a block's mean varies by c between² + 2 within² / m (m
+    pairs; c = 2 when both servers are fresh per block, 1 when the kept one is shared, whose constant start effect
+    then cancels between blocks). `spread` is the variance of the block means and `carried` the part of it the
+    pairs' own noise explains (both over c): spread - carried estimates between² without bias, as in a one-way
+    analysis of variance."""
+    arrays = [np.asarray(b, dtype=float) for b in blocks]
+    n, k = sum(len(b) for b in arrays), len(arrays)
+    if n > k:
+        pair_ms = sum(float(((b - b.mean()) ** 2).sum()) for b in arrays) / (n - k)
+    if pair_ms is None:
+        raise ValueError("the pairs' own noise needs a block of two pairs or more")
+    means = np.array([b.mean() for b in arrays])
+    return float(means.var(ddof=1)) / c, pair_ms * float(np.mean([1.0 / len(b) for b in arrays])) / c, pair_ms
+
+
+def components(blocks: Sequence[Sequence[float]], kept_restarted: bool) -> Noise:
+    """The noise A/A blocks of pair log ratios log(candidate / kept) measure (`spread`): within, between (a
+    negative estimate is 0) and its degrees of freedom, with the unclamped estimate and its carried part, from
+    which `ceiling` bounds it.
 
     Each block holds the pairs of one fresh candidate start against the kept state's server, which serves every
-    block unless `kept_restarted` (then each block has a fresh one too). Within a block a pair's log ratio varies
-    by 2 within²; a block's mean varies by c between² + 2 within² / m (m pairs; c = 2 when both servers are
-    fresh per block, 1 when the kept one is shared, whose constant start effect then cancels between blocks).
-    Method of moments, as in a one-way analysis of variance; a negative between-start estimate is 0."""
-    blocks = [np.asarray(b, dtype=float) for b in blocks if len(b)]
+    block unless `kept_restarted` (then each block has a fresh one too)."""
+    blocks = [list(b) for b in blocks if len(b)]
     if len(blocks) < 2 or all(len(b) < 2 for b in blocks):
         raise ValueError("calibration needs at least two blocks, one of them with two pairs or more")
-    n = sum(len(b) for b in blocks)
-    pooled = sum(float(((b - b.mean()) ** 2).sum()) for b in blocks) / (n - len(blocks))
-    means = np.array([b.mean() for b in blocks])
-    spread = float(means.var(ddof=1))
-    carried = pooled * float(np.mean([1.0 / len(b) for b in blocks]))
-    c = 2.0 if kept_restarted else 1.0
-    between = math.sqrt(max(0.0, spread - carried) / c)
-    return math.sqrt(pooled / 2), between, len(blocks) - 1
+    means_spread, carried, pair_ms = spread(blocks, 2.0 if kept_restarted else 1.0)
+    raw = means_spread - carried
+    return Noise(math.sqrt(pair_ms / 2), math.sqrt(max(0.0, raw)), len(blocks) - 1, raw=raw, carried=carried)
 
 
 FLOOR_CONFIDENCE = 0.975  # the pooled between-start spread stays above the calibration's lower bound at this level
+CEILING_CONFIDENCE = 0.9  # `ceiling`: the start effects a keep on one pair of servers must outgrow, one-sided
 
 
 def folded(noise: Noise, log_ratios: Sequence[float], starts: Sequence[tuple[Hashable, Hashable]]) -> Noise:
     """`noise` after one more decision: its pairs' log ratios log(candidate / kept) and the servers behind each
     pair (baseline's, candidate's). A decision on one block of servers says nothing of the start effects and
-    changes nothing; one of k blocks gives an unbiased estimate of between², as `components` does for A/A blocks:
-
-        (spread of the block means - 2 within² mean(1/m)) / c
-
-    (c = 2 where each block restarted the kept server too, 1 where one kept server served every block; a decision
-    that mixed the two is left out). The pooled between² is the degrees-of-freedom-weighted mean of the
-    calibration's and these (k - 1 each), floored at the calibration's lower confidence bound
-    between² df / chi²(FLOOR_CONFIDENCE, df): a run whose decisions show less spread than its calibration
-    tightens its intervals, never below what the calibration makes plausible; one that shows more widens them."""
+    changes nothing; one of k blocks gives an unbiased estimate of between², as `components` does for A/A blocks,
+    from its own pairs' noise (the calibration's where its blocks hold one pair each: the state judged may be
+    quieter or noisier than the one calibrated). c = 2 where each block restarted the kept server too, 1 where one
+    kept server served every block; a decision that mixed the two is left out. The pooled between² is the
+    degrees-of-freedom-weighted mean of the calibration's and these (k - 1 each), floored at the calibration's
+    lower confidence bound between² df / chi²(FLOOR_CONFIDENCE, df): a run whose decisions show less spread than
+    its calibration tightens its intervals, never below what the calibration makes plausible; one that shows more
+    widens them."""
     from scipy.stats import chi2
 
     blocks: dict[tuple[Hashable, Hashable], list[float]] = {}
@@ -94,17 +111,33 @@ def folded(noise: Noise, log_ratios: Sequence[float], starts: Sequence[tuple[Has
     kept_servers = len({pair[0] for pair in blocks})
     if k < 2 or kept_servers not in (1, k) or not noise.between_df:
         return noise
-    c = 2.0 if kept_servers == k else 1.0
-    means = np.array([np.mean(b) for b in blocks.values()])
-    spread = float(means.var(ddof=1))
-    estimate = (spread - 2 * noise.within ** 2 * float(np.mean([1.0 / len(b) for b in blocks.values()]))) / c
+    means_spread, carried, _ = spread(list(blocks.values()), 2.0 if kept_servers == k else 1.0,
+                                      2 * noise.within ** 2)
     floor = noise.floor if noise.floor is not None else \
         noise.between * math.sqrt(noise.between_df / float(chi2.ppf(FLOOR_CONFIDENCE, noise.between_df)))
     raw = noise.raw if noise.raw is not None else noise.between ** 2
     df = noise.between_df + k - 1
-    raw = (noise.between_df * raw + (k - 1) * estimate) / df
+    raw = (noise.between_df * raw + (k - 1) * (means_spread - carried)) / df
+    pooled_carried = None if noise.carried is None else (noise.between_df * noise.carried + (k - 1) * carried) / df
     return replace(noise, between=math.sqrt(max(raw, floor ** 2)), between_df=df, pooled=noise.pooled + 1,
-                   floor=floor, raw=raw)
+                   floor=floor, raw=raw, carried=pooled_carried)
+
+
+def ceiling(noise: Noise, confidence: float = CEILING_CONFIDENCE) -> float:
+    """An upper confidence bound of `between`, never below it. The block means' spread (over c) is a scaled
+    chi-square of `between_df` degrees of freedom with mean between² + carried; its upper bound at `confidence`,
+    less `carried`, bounds between². A calibration whose pairs are noisy sets a high bound even where its estimate
+    is 0: three blocks of two pairs at 5.6% within a start, with an estimate of 0, allow start effects of 9%.
+    Where `carried` is not known (a calibration recorded before it was), the chi-square bound of between² alone."""
+    from scipy.stats import chi2
+
+    if not noise.between_df:
+        return noise.between
+    scale = noise.between_df / float(chi2.ppf(1 - confidence, noise.between_df))
+    if noise.carried is None or noise.raw is None:
+        return noise.between * math.sqrt(scale)
+    bound = max(0.0, noise.raw + noise.carried) * scale - noise.carried
+    return max(noise.between, math.sqrt(max(0.0, bound)))
 
 
 def offset(blocks: Sequence[Sequence[float]], between: float, between_df: int, kept_restarted: bool,

@@ -24,7 +24,8 @@ the judge decides.
 
 Pairs come in blocks of `pairs_per_start` on the same servers; each further block starts fresh servers for both
 arms, so that the servers' start effects, which no pair cancels, vary between blocks and the judge counts them
-(noise.py); at most `max_starts` blocks a decision.
+(noise.py); at most `max_starts` blocks a decision. A keep on one pair of servers that the start effects the run
+cannot rule out could explain starts a block early, to confirm it (decide.Judge.until_decided).
 """
 from __future__ import annotations
 
@@ -71,25 +72,23 @@ class Pairing:
 
     def measure(self, step_id: int | None, name: str, base: Arm, cand: Arm) -> Verdict:
         """The candidate (on disk when called: its correctness probes just ran) against the kept state."""
-        judge = decide.Judge(self.policy, self.noise)
         per_block = self.per_block()
-        budget = min(self.policy.max_pairs, per_block * self.policy.max_starts)
         base_s: list[Sample] = []
         cand_s: list[Sample] = []
-        self.begin(step_id, name, base, cand)
-        while True:
-            n = len(base_s)
-            if n and n % per_block == 0:
+
+        def take(n: int, fresh: bool):
+            if fresh:
                 self.new_block(step_id, n, name, base, cand)
             b, c = self.pair(step_id, n, name, base, cand)
             base_s.append(b)
             cand_s.append(c)
-            starts = [(x.server if x.server is not None else f"b{i}", y.server if y.server is not None else f"c{i}")
-                      for i, (x, y) in enumerate(zip(base_s, cand_s))]
-            d = judge.decide([s.value for s in base_s], [s.value for s in cand_s], final=n + 1 >= budget,
-                             starts=starts, plan=(budget, -(-budget // per_block)))
-            if d is not None:
-                return Verdict(step_id, d, base_s, cand_s)
+            return b.value, c.value, (b.server if b.server is not None else f"b{n}",
+                                      c.server if c.server is not None else f"c{n}")
+
+        self.begin(step_id, name, base, cand)
+        d = decide.Judge(self.policy, self.noise).until_decided(
+            take, per_block, min(self.policy.max_pairs, per_block * self.policy.max_starts))
+        return Verdict(step_id, d, base_s, cand_s)
 
     @contextmanager
     def meanwhile(self, step_id: int | None, name: str, base: Arm, cand: Arm) -> Iterator[None]:

@@ -231,6 +231,9 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
                 f"- pairs per start: {summary.get('pairs_per_start')}; to show a change of no effect below the bar: "
                 f"{summary.get('pairs_needed') or 'over 100'} pairs on one pair of servers (sample noise only), "
                 f"{summary.get('starts_needed') or 'over 100'} starts"]
+        if summary.get("ceiling") is not None:
+            out.append(f"- between starts at most {summary['ceiling']:.2%} at 90% confidence: a keep on one pair of "
+                       "servers that start effects this large could explain is confirmed on fresh servers")
         if (line := offset_line(summary.get("fresh_offset"))) is not None:
             out.append(f"- {line}")
         if (line := pooled_line([s.decision for s in stages], c["between_df"])) is not None:

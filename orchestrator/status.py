@@ -144,7 +144,9 @@ def calibration_lines(data: dict[str, Any]) -> list[str]:
         return [f"calibration: {len(c['blocks'])} A/A block(s) measured, not finished"]
     sim = c.get("simulated") or {}
     lines = [f"calibration ({c['starts']} starts x {c['pairs']} pairs, {c['pairing']}): spread of log "
-             f"{c['objective']} within a start {c['within']:.2%}, between starts {c['between']:.2%}",
+             f"{c['objective']} within a start {c['within']:.2%}, between starts {c['between']:.2%}"
+             + (f" (at most {c['ceiling']:.2%} at 90%: a keep on one pair of servers that start effects this "
+                "large could explain is confirmed on fresh ones)" if c.get("ceiling") is not None else ""),
              f"  A/A decisions kept: {c.get('aa_kept', 0)} of {c.get('aa_judged', 0)}; a no-op kept in "
              f"{sim.get('keep_rate_counting', 0):.1%} of simulated decisions ({sim.get('keep_rate_ignoring', 0):.1%} "
              f"ignoring start effects); {c.get('pairs_per_start')} pairs per start; a no-op needs "

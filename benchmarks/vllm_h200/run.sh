@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The staged run of the shipped vLLM plugins on one H200 (README.md). On the GPU machine, from the
-# repository root (with .whl/ from benchmarks/make_wheels.sh), after ../shared/vllm-h200/serve.sh has
-# unpacked vLLM 0.34.0 into /tmp/site and written the model folder /tmp/qwen36:
+# repository root (with .whl/ from benchmarks/make_wheels.sh), once `receive` (or ../shared/vllm-h200/serve.sh)
+# has unpacked vLLM 0.34.0 into /tmp/site and written the model folder /tmp/qwen36:
 #
+#   bash benchmarks/vllm_h200/run.sh parts                      # here, after build_payload.sh: the payload in 4 parts
+#   bash benchmarks/vllm_h200/run.sh receive N                  # there, one call per part: the last unpacks vLLM
 #   bash benchmarks/vllm_h200/run.sh stage PART [run options]  # starts `orchestrator run --only` a part, detached
 #   bash benchmarks/vllm_h200/run.sh status                     # poll: the status table, the log's tail
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
@@ -34,6 +36,12 @@ declare -A PARTS=(
     [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
 )
 
+# The payload (../shared/vllm-h200/build_payload.sh) in parts small enough that one travels per call beside the
+# project's tree (a call carries 64 MiB in all): carry .cache/vllm-payload/pN with `receive N`, and .whl with the last.
+PAYLOAD=$TREE/.cache/vllm-payload
+PAYLOAD_XZ=${PAYLOAD_XZ:-/tmp/vllm-h200/site312_slim.tar.xz}
+PAYLOAD_PARTS=4
+
 source "$TREE/benchmarks/vllm_machine.sh"
 orch() { python3 -m orchestrator.cli "$@" --config "$CONFIG"; }
 
@@ -55,6 +63,30 @@ print('python', __import__('sys').version.split()[0], 'torch', torch.__version__
 }
 
 case ${1:-} in
+    parts)
+        [[ -f $PAYLOAD_XZ ]] || die "no $PAYLOAD_XZ: run ../shared/vllm-h200/build_payload.sh first"
+        rm -rf "$PAYLOAD" && mkdir -p "$PAYLOAD"
+        size=$(stat -c %s "$PAYLOAD_XZ")
+        split -b $(( (size + PAYLOAD_PARTS - 1) / PAYLOAD_PARTS )) -d -a 1 "$PAYLOAD_XZ" "$PAYLOAD/part_"
+        for i in $(seq 0 $((PAYLOAD_PARTS - 1))); do mkdir -p "$PAYLOAD/p$i" && mv "$PAYLOAD/part_$i" "$PAYLOAD/p$i/"; done
+        last=$PAYLOAD/p$((PAYLOAD_PARTS - 1))
+        cp "$TREE/../shared/vllm-h200/mkmodel.py" "$last/"
+        (cd "$PAYLOAD" && sha256sum p*/part_* | sed 's# p[0-9]*/# #' > "$last/SHA256SUMS")
+        du -sh "$PAYLOAD"/p*
+        ;;
+    receive)
+        i=${2:-}
+        [[ -f $PAYLOAD/p$i/part_$i ]] || die "receive N: carry .cache/vllm-payload/pN with this call"
+        mkdir -p /tmp/stage && cp "$PAYLOAD/p$i/part_$i" /tmp/stage/
+        if [[ -f $PAYLOAD/p$i/SHA256SUMS ]]; then  # the last part: check them all, unpack, write the model folder
+            (cd /tmp/stage && sha256sum -c "$PAYLOAD/p$i/SHA256SUMS") || die "a part is missing or damaged in /tmp/stage"
+            mkdir -p "$SITE"
+            cat $(ls /tmp/stage/part_* | sort -V) | xz -d -T0 | tar -x -C "$SITE"
+            python3 "$PAYLOAD/p$i/mkmodel.py" /tmp/qwen36
+        fi
+        ls -la /tmp/stage
+        nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+        ;;
     stage)
         part=${2:-}
         [[ -n ${PARTS[$part]:-} ]] || die "stage PART: one of $(printf "%s " "${!PARTS[@]}" | tr " " "\n" | sort | xargs)"
@@ -104,7 +136,7 @@ case ${1:-} in
         cat "$WORK/compare.md" 2>/dev/null || true
         ;;
     *)
-        sed -n '2,15p' "$0"
+        sed -n '2,17p' "$0"
         exit 2
         ;;
 esac

@@ -60,8 +60,9 @@ def set_policy(project, **policy):
     project.config.write_text(yaml.safe_dump(config))
 
 
-class ScriptedJudge:
-    """Decides after a fixed number of pairs, recording what it was shown."""
+class ScriptedJudge(decide.Judge):
+    """Decides after a fixed number of pairs, recording what it was shown; the real loop of pairs
+    (`until_decided`) asks it, and takes its keeps as they are."""
 
     seen: list = []
     pairs = 3
@@ -69,6 +70,9 @@ class ScriptedJudge:
 
     def __init__(self, policy, noise=None):
         self.policy = policy
+
+    def confirmed(self, baseline, candidate, starts):
+        return True
 
     def decide(self, baseline, candidate, final, starts=None, plan=None):
         ScriptedJudge.seen.append((list(baseline), list(candidate), final))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,6 +78,10 @@ def test_calibration_separates_the_spread_within_a_start_from_the_spread_between
     assert summary["aa_judged"] == 8 and summary["aa_kept"] == 0
     assert summary["pairs_per_start"] == 2  # fresh servers pay for themselves at once
     assert "between starts" in out and "A/A decisions kept: 0 of 8" in out
+    # the upper bound a keep on one pair of servers must outgrow: above the estimate, shown to people
+    assert c["between_sd"] < summary["ceiling"] < 3 * c["between_sd"], summary
+    assert summary["raw"] == pytest.approx(c["between_sd"] ** 2) and summary["carried"] > 0
+    assert f"at most {summary['ceiling']:.2%} at 90%" in out.replace("\n", " ")
     # fresh servers against the kept one: no offset but the kept server's own start effect, which is counted
     fresh = summary["fresh_offset"]
     assert fresh["low"] < 0 < fresh["high"] and "keep_rate" not in fresh, fresh
@@ -128,7 +133,11 @@ def test_a_calibration_at_the_first_keep_measures_the_state_the_later_decisions_
     decisions = {s["plugin"]: json.loads(d["decision"]) for s in steps if s["kind"] == "attempt"
                  for d in rows(root, f"SELECT decision FROM decisions WHERE step_id = {s['id']}")}
     assert decisions["no-op-0"]["between"] is None and decisions["faster"]["between"] is None
-    assert decisions["no-op-1"]["between"] == c["between_sd"] > 0
+    after = decisions["no-op-1"]  # the calibration's spread, with its own blocks of servers folded in
+    kept_servers, blocks = after["starts"]
+    assert after["between"] > 0 and after["between_df"] == c["between_df"] + blocks - 1, (after, c)
+    if blocks == 1:
+        assert after["between"] == c["between_sd"]
 
 
 def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
@@ -151,13 +160,16 @@ def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
     ordered = [json.loads(d["decision"]) for d in rows(root, "SELECT d.decision FROM decisions d JOIN steps s ON "
                                                              "s.id = d.step_id WHERE s.kind = 'attempt' ORDER BY d.id")]
     expected = c["between_df"]
-    for d in ordered:
-        assert d["between_df"] == expected, (d, expected)
+    for d in ordered:  # each counts the decisions before it and its own blocks
         kept_servers, blocks = d["starts"]
         expected += blocks - 1 if kept_servers in (1, blocks) else 0
+        assert d["between_df"] == expected, (d, expected)
     assert expected > c["between_df"], ordered  # at least one decision took a second block
-    # the final re-validation counted all of it, and status and the report say so
-    said = f"({expected} degrees of freedom), as the latest decision counted it"
+    # the final re-validation counted all of it (and its own blocks), and status and the report say so
+    final = json.loads(rows(root, "SELECT decision FROM decisions ORDER BY id DESC LIMIT 1")[0]["decision"])
+    kept_servers, blocks = final["starts"]
+    assert final["between_df"] == expected + (blocks - 1 if kept_servers in (1, blocks) else 0), final
+    said = f"({final['between_df']} degrees of freedom), as the latest decision counted it"
     assert said in cli(root, "status").stdout.replace("\n", " ")
     cli(root, "report", "--out", "report")
     assert said in (root / "report" / "run-1.md").read_text()

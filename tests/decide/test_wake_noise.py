@@ -4,6 +4,7 @@ they were (noise.wakes_like_fresh)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -89,8 +90,8 @@ def test_one_slow_sample_is_not_a_wake():
             samples_, logs = sleeping_calibration(seed, slow)
             wake, p, still, same, woken = wake_spread(samples_)
             assert (same, woken) == (4, 7)
-            within, between, df = components(logs, kept_restarted=False)
-            noise = Noise(within, between, df, wake=wake, wake_p=p, still=still)
+            noise = replace(components(logs, kept_restarted=False), wake=wake, wake_p=p, still=still)
+            between = noise.between
             assert wakes_like_fresh(noise), (seed, slow, noise)
             sized_like_a_wake += wake > max(still, between / 2)
     assert sized_like_a_wake >= 20  # the sizes alone would have restarted in many of these runs
