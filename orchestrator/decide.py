@@ -279,18 +279,19 @@ class Judge:
     def until_decided(self, take: Take, per_block: int, budget: int) -> Decision:
         """Pairs from `take` until the judge decides, in blocks of `per_block` on the same servers (each further
         block on fresh ones), at most `budget` pairs. A keep not `confirmed` is not returned while the budget has
-        a pair left: the next pair starts a block of fresh servers, and the judge decides again on both blocks.
-        The one loop of every pairing (pairing.py) and of the calibration's simulations (calibrate.py)."""
+        a pair left and the policy another block (`max_starts`): the next pair starts a block of fresh servers,
+        and the judge decides again on both blocks. The one loop of every pairing (pairing.py) and of the
+        calibration's simulations (calibrate.py)."""
         base: list[float] = []
         cand: list[float] = []
         starts: list[tuple[Hashable, Hashable]] = []
         plan = (budget, -(-budget // per_block))
-        begun, confirm = 0, False
+        begun, blocks, confirm = 0, 1, False
         while True:
             n = len(base)
             fresh = n > 0 and (confirm or n - begun >= per_block)
             if fresh:
-                begun, confirm = n, False
+                begun, blocks, confirm = n, blocks + 1, False
             b, c, pair = take(n, fresh)
             base.append(b)
             cand.append(c)
@@ -298,7 +299,8 @@ class Judge:
             d = self.decide(base, cand, final=n + 1 >= budget, starts=starts, plan=plan)
             if d is None:
                 continue
-            if d.verdict == "keep" and n + 1 < budget and not self.confirmed(base, cand, starts):
+            if (d.verdict == "keep" and n + 1 < budget and blocks < self.policy.max_starts
+                    and not self.confirmed(base, cand, starts)):
                 confirm = True
                 continue
             return d

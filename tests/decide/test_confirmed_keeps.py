@@ -91,6 +91,10 @@ def test_a_small_keep_on_one_pair_of_servers_takes_a_fresh_block_and_a_large_one
     last = Bench(np.random.default_rng(1), 0.10, 0.0, 0.002)
     d = Judge(POLICY.model_copy(update={"max_pairs": 2}), noise).until_decided(last.take, 2, 2)
     assert last.fresh_at == [] and d.verdict == "keep"
+    # one block allowed (`max_starts: 1`): the same
+    one = Bench(np.random.default_rng(1), 0.10, 0.0, 0.002)
+    d = Judge(POLICY.model_copy(update={"max_starts": 1}), noise).until_decided(one.take, per_block, 4)
+    assert one.fresh_at == [] and d.verdict == "keep"
     # uncalibrated, or calibrated with no degrees of freedom: nothing to doubt, as before
     for judge in (Judge(POLICY), Judge(POLICY, Noise(0.01, 0.0, 0))):
         bench = Bench(np.random.default_rng(1), 0.10, 0.0, 0.002)
