@@ -287,6 +287,7 @@ class Judge:
         starts: list[tuple[Hashable, Hashable]] = []
         plan = (budget, -(-budget // per_block))
         begun, blocks, confirm = 0, 1, False
+        doubted: str | None = None
         while True:
             n = len(base)
             fresh = n > 0 and (confirm or n - begun >= per_block)
@@ -302,7 +303,12 @@ class Judge:
             if (d.verdict == "keep" and n + 1 < budget and blocks < self.policy.max_starts
                     and not self.confirmed(base, cand, starts)):
                 confirm = True
+                doubted = (f"a keep at {d.gain:+.1%} on one pair of servers after {n + 1} pairs, within start "
+                           f"effects of {ceiling(self.noise_for(base, cand, starts)):.1%} (90% bound): "
+                           "measured again on fresh servers")
                 continue
+            if doubted is not None:
+                d.notes.append(doubted)
             return d
 
     def _invalid(self, baseline: Sequence[float], candidate: Sequence[float]) -> Decision | None:

@@ -81,9 +81,11 @@ def test_a_small_keep_on_one_pair_of_servers_takes_a_fresh_block_and_a_large_one
     small = Bench(np.random.default_rng(1), 0.10, 0.0, 0.002)
     d = Judge(POLICY, noise).until_decided(small.take, per_block, POLICY.max_pairs)
     assert small.fresh_at == [2] and d.verdict == "keep" and d.starts == [2, 2], (small.fresh_at, d)
+    assert any("on one pair of servers after 2 pairs" in note and "measured again on fresh servers" in note
+               for note in d.notes), d.notes
     as_before = Bench(np.random.default_rng(1), 0.10, 0.0, 0.002)
     d = Unconfirmed(POLICY, noise).until_decided(as_before.take, per_block, POLICY.max_pairs)
-    assert as_before.fresh_at == [] and d.verdict == "keep" and d.starts == [1, 1]
+    assert as_before.fresh_at == [] and d.verdict == "keep" and d.starts == [1, 1] and not d.notes
     large = Bench(np.random.default_rng(1), 1.5, 0.0, 0.002)
     d = Judge(POLICY, noise).until_decided(large.take, per_block, POLICY.max_pairs)
     assert large.fresh_at == [] and d.verdict == "keep" and d.n_candidate == 2
