@@ -272,7 +272,8 @@ class Judge:
         if n < 2 or len({pair[1] for pair in starts[:n]}) > 1:
             return True
         noise = self.noise_for(baseline, candidate, starts)
-        doubt = replace(noise, between=ceiling(noise))
+        # the bound already holds the estimate's uncertainty: counted as known (no degrees of freedom of its own)
+        doubt = replace(noise, between=ceiling(noise), between_df=0)
         low = carried_interval(baseline, candidate, starts, doubt, self.confidence)[1]
         return low > math.log1p(self.min_gain)
 

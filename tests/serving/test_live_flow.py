@@ -23,7 +23,7 @@ target:
   workload: {num_prompts: 8, input_len: 32, output_len: 16, max_concurrency: 8, duration: 1.5, ramp: 0.5}
 plugins: plugins
 state: state
-policy: {min_pairs: 2, max_pairs: 3, pairs_per_start: 3, repeats: 1, min_gain: 0.02, calibrate: {starts: 3, pairs: 2}}
+policy: {min_pairs: 2, max_pairs: 3, pairs_per_start: 3, max_starts: 1, repeats: 1, min_gain: 0.02, calibrate: {starts: 3, pairs: 2}}
 """
 PLUGINS = {
     # eight sequences a step instead of one: a gain of several times, declared so
@@ -63,7 +63,8 @@ def test_the_gpu_flow_runs_on_live_servers_from_calibration_to_the_final_revalid
     kept = servers[0]
     assert kept["plugin"] == "baseline"
     # the baseline's server served the calibration and every candidate until one was kept (one block of pairs each:
-    # pairs_per_start, so that no calibrated start effect asks for fresh servers midway)
+    # pairs_per_start and max_starts, so that neither a calibrated start effect nor a keep's confirmation asks for
+    # fresh servers midway)
     until = max(p["ended"] for p in procs if p["plugin"] == "wider-batch" and p["what"].startswith("probe"))
     assert kept["ended"] >= until
     # the probes: the live greedy probe (no engines of its own), aimed at a server like the samples
