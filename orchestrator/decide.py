@@ -12,7 +12,7 @@ pairs averages away. Given the noise an A/A calibration measured (noise.py) and 
 sample came from, the paired interval adds the start effects the pairs carry, pooled with what this
 decision's own blocks of servers show: the interval is as wide as the evidence, whether the pairs
 came from one pair of servers or several. A keep on one pair of servers that the start effects the
-run cannot yet rule out could explain is confirmed on fresh servers first (``Judge.confirmed``,
+run cannot yet rule out could explain is confirmed on fresh servers first (``Judge.doubt``,
 ``Judge.until_decided``). See docs/decisions.md for why these were chosen over Mann-Whitney U.
 """
 from __future__ import annotations
@@ -259,27 +259,29 @@ class Judge:
         logs = _logs(candidate[:n], "candidate") - _logs(baseline[:n], "baseline")
         return folded(self.noise, [float(x) for x in logs], list(starts[:n]))
 
-    def confirmed(self, baseline: Sequence[float], candidate: Sequence[float], starts: Starts | None) -> bool:
-        """Whether a keep stands without a block of fresh servers. One on a single candidate server does only where
-        its interval clears the bar even counting start effects as large as the run cannot yet rule out
-        (noise.ceiling): a calibration that says little of the starts (few blocks of noisy pairs) may estimate them
-        at 0, and one pair of servers whose start effects differ by a few percent then looks like a gain of a few
-        percent, however many pairs it takes. The fresh block decides the keep, and the run pools its spread."""
+    def doubt(self, baseline: Sequence[float], candidate: Sequence[float], starts: Starts | None) -> float | None:
+        """The start effects that could explain a keep on a single candidate server: the run's upper bound of them
+        (noise.ceiling) where the keep's interval does not clear the bar counting start effects that large; None
+        where the keep stands without a block of fresh servers. A calibration that says little of the starts (few
+        blocks of noisy pairs) may estimate them at 0, and one pair of servers whose start effects differ by a few
+        percent then looks like a gain of a few percent, however many pairs it takes. The fresh block decides the
+        keep, and the run pools its spread."""
         if not (self.rule == "stat" and self.interleave and starts and self.noise is not None
                 and self.noise.between_df):
-            return True
+            return None
         n = min(len(baseline), len(candidate), len(starts))
         if n < 2 or len({pair[1] for pair in starts[:n]}) > 1:
-            return True
+            return None
         noise = self.noise_for(baseline, candidate, starts)
+        bound = ceiling(noise)
         # the bound already holds the estimate's uncertainty: counted as known (no degrees of freedom of its own)
-        doubt = replace(noise, between=ceiling(noise), between_df=0)
-        low = carried_interval(baseline, candidate, starts, doubt, self.confidence)[1]
-        return low > math.log1p(self.min_gain)
+        low = carried_interval(baseline, candidate, starts, replace(noise, between=bound, between_df=0),
+                               self.confidence)[1]
+        return None if low > math.log1p(self.min_gain) else bound
 
     def until_decided(self, take: Take, per_block: int, budget: int) -> Decision:
         """Pairs from `take` until the judge decides, in blocks of `per_block` on the same servers (each further
-        block on fresh ones), at most `budget` pairs. A keep not `confirmed` is not returned while the budget has
+        block on fresh ones), at most `budget` pairs. A keep in `doubt` is not returned while the budget has
         a pair left and the policy another block (`max_starts`): the next pair starts a block of fresh servers,
         and the judge decides again on both blocks. The one loop of every pairing (pairing.py) and of the
         calibration's simulations (calibrate.py)."""
@@ -302,11 +304,10 @@ class Judge:
             if d is None:
                 continue
             if (d.verdict == "keep" and n + 1 < budget and blocks < self.policy.max_starts
-                    and not self.confirmed(base, cand, starts)):
+                    and (bound := self.doubt(base, cand, starts)) is not None):
                 confirm = True
                 doubted = (f"a keep at {d.gain:+.1%} on one pair of servers after {n + 1} pairs, within start "
-                           f"effects of {ceiling(self.noise_for(base, cand, starts)):.1%} (90% bound): "
-                           "measured again on fresh servers")
+                           f"effects of {bound:.1%} (90% bound): measured again on fresh servers")
                 continue
             if doubted is not None:
                 d.notes.append(doubted)

@@ -25,7 +25,7 @@ pooled estimate of the calibration and the decisions so far, with their degrees 
 calibration itself allows at 97.5% confidence. Where that estimate is uncertain (a calibration whose samples are
 noisy says little of the starts: its estimate may be 0 with an upper bound of 9%), `ceiling` bounds it from above,
 and a keep on one pair of servers that start effects that large could explain is confirmed on fresh servers
-(decide.Judge.confirmed), which also gives the run the blocks it pools. Pure functions, no I/O.
+(decide.Judge.doubt), which also gives the run the blocks it pools. Pure functions, no I/O.
 """
 from __future__ import annotations
 

@@ -71,8 +71,8 @@ class ScriptedJudge(decide.Judge):
     def __init__(self, policy, noise=None):
         self.policy = policy
 
-    def confirmed(self, baseline, candidate, starts):
-        return True
+    def doubt(self, baseline, candidate, starts):
+        return None
 
     def decide(self, baseline, candidate, final, starts=None, plan=None):
         ScriptedJudge.seen.append((list(baseline), list(candidate), final))

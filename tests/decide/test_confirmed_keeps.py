@@ -70,8 +70,8 @@ class Bench:
 class Unconfirmed(Judge):
     """The judge as it was: a keep on one pair of servers stands."""
 
-    def confirmed(self, baseline, candidate, starts) -> bool:
-        return True
+    def doubt(self, baseline, candidate, starts):
+        return None
 
 
 def test_a_small_keep_on_one_pair_of_servers_takes_a_fresh_block_and_a_large_one_does_not():
