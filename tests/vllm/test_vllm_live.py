@@ -156,7 +156,10 @@ def test_live_run_keeps_rolls_back_and_leaves_nothing_behind(deployment):
     # a greedy mismatch
     seed = steps["other-seed"]
     assert (seed["outcome"], seed["reason"]) == ("rolled_back", "incorrect"), seed
-    assert "differ from the baseline" in seed["detail"]
+    # judged exactly, unless kv-cache-fp8 (before it, and a no-op for speed here) was kept on one sample's noise:
+    # then the state declares changed numerics and the greedy probe judges by agreement
+    agreement = steps["kv-cache-fp8"]["outcome"] == "kept"
+    assert ("diverge from the baseline" if agreement else "differ from the baseline") in seed["detail"], seed
     # a server that never becomes healthy
     stall = steps["stall"]
     assert (stall["outcome"], stall["reason"]) == ("rolled_back", "timeout"), stall
