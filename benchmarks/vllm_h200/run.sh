@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/vllm_h200/run.sh parts                      # here, after build_payload.sh: the payload in 4 parts
 #   bash benchmarks/vllm_h200/run.sh receive N                  # there, one call per part: the last unpacks vLLM
+#                                                               # (LAYERS=20 with the last: a model of 20 layers,
+#                                                               # which an H100 holds with 128 sequences' state)
 #   bash benchmarks/vllm_h200/run.sh stage PART [run options]  # starts `orchestrator run --only` a part, detached
 #   bash benchmarks/vllm_h200/run.sh status                     # poll: the status table, the log's tail
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
@@ -83,6 +85,7 @@ case ${1:-} in
             mkdir -p "$SITE"
             cat $(ls /tmp/stage/part_* | sort -V) | xz -d -T0 | tar -x -C "$SITE"
             python3 "$PAYLOAD/p$i/mkmodel.py" /tmp/qwen36
+            [[ -n ${LAYERS:-} ]] && python3 "$HERE/layers.py" /tmp/qwen36 "$LAYERS"
         fi
         ls -la /tmp/stage
         nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -132,6 +135,7 @@ case ${1:-} in
         orch report --out "$out/report" > /dev/null 2>&1 || true
         cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$out/" 2>/dev/null || true
         cp "$WORK/serve/serve.yaml" "$out/kept-serve.yaml" 2>/dev/null || true
+        cp /tmp/qwen36/config.json "$out/model-config.json" 2>/dev/null || true
         cat "$out/status.txt" "$out/kept-serve.yaml" 2>/dev/null || true
         cat "$WORK/compare.md" 2>/dev/null || true
         ;;
