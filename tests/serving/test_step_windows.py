@@ -55,10 +55,11 @@ def test_windows_at_any_phase_of_a_step_rate_the_same_whole_steps(stepping):
         result, cached, _ = window_result([], start, start + 1.0, watched.counters, None)
         result = with_score(result, cached, (1.0, 0.5, 0.0))
         assert result["duration"] == pytest.approx(1.0)
-        # opened at a step end, closed at the last one before its close (a reading a little late may catch one
-        # more): 3 or 4 steps of 0.25 s, whatever the phase
+        # opened at a step end, closed at the last one before its close: 3 or 4 steps of 0.25 s, whatever the
+        # phase (a closing reading a little late may catch one more; an opening one late by a step, on a loaded
+        # machine, one fewer), each rated over exactly the time it took
         steps = result["server_steps"]
-        assert steps in (3, 4) and result["rate_seconds"] == pytest.approx(steps * STEP, abs=1e-6), result
+        assert 2 <= steps <= 4 and result["rate_seconds"] == pytest.approx(steps * STEP, abs=1e-6), result
         assert result["server_step_busy"] == pytest.approx(BUSY / STEP)
         assert result["output_throughput"] == pytest.approx(TOKENS / STEP, rel=1e-6)
         assert result["input_throughput"] == pytest.approx(PREFILL / STEP, rel=1e-6)
