@@ -284,6 +284,16 @@ def start_run(folder: Path) -> subprocess.Popen:
                             cwd=folder, env=standin_env(folder), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def recorded(folder: Path) -> bool:
+    """Whether the run has recorded a live server in its history yet (none before the database exists)."""
+    if not (folder / "state" / "orchestrator.db").exists():
+        return False
+    try:
+        return bool(query(folder, "SELECT id FROM processes WHERE what LIKE 'live server%'"))
+    except sqlite3.OperationalError:  # the tables are not created yet
+        return False
+
+
 def wait_until(predicate, run: subprocess.Popen, what: str, timeout: float = 300):
     deadline = time.monotonic() + timeout
     while not (found := predicate()):
@@ -300,7 +310,10 @@ def test_sigterm_to_the_run_stops_its_server_first(tmp_path, vllm_pinned):
     (tmp_path / "orchestrator.yaml").write_text(LONG_WINDOW.format(package=vllm_pinned, policy=ONE_SAMPLE))
     run = start_run(tmp_path)
     try:
-        wait_until(lambda: any("vllm serve" in p for p in left_behind(str(tmp_path))), run, "the live server")
+        # up, and recorded: the run records a server just after it starts it (a SIGTERM between the two stops the
+        # server all the same, but leaves no row to assert on)
+        wait_until(lambda: any("vllm serve" in p for p in left_behind(str(tmp_path))) and recorded(tmp_path), run,
+                   "the live server")
         run.terminate()
         assert run.wait(60) == 1
         # the run stopped its server before it exited: nothing for a recovery to kill
@@ -323,7 +336,8 @@ def test_recover_kills_the_server_of_a_killed_run(tmp_path, vllm_pinned):
     (tmp_path / "orchestrator.yaml").write_text(LONG_WINDOW.format(package=vllm_pinned, policy=ONE_SAMPLE))
     run = start_run(tmp_path)
     try:
-        wait_until(lambda: [p for p in left_behind(str(tmp_path)) if "SIG_IGN" in p], run, "the live server")
+        wait_until(lambda: [p for p in left_behind(str(tmp_path)) if "SIG_IGN" in p] and recorded(tmp_path), run,
+                   "the live server")
         assert server_starts(tmp_path) == {"baseline": ["live server (baseline)"]}
         run.kill()
         run.wait(30)
