@@ -28,6 +28,8 @@ def main(argv: list[str]) -> None:
     if len(argv) != 2:
         raise SystemExit(__doc__)
     path = Path(argv[0]) / "config.json"
+    if not argv[1].isdigit():
+        raise SystemExit(f"{path}: num_hidden_layers {argv[1]!r} is not a whole number")
     config = cut(json.loads(path.read_text()), int(argv[1]), str(path))
     path.write_text(json.dumps(config, indent=1))
     text = config.get("text_config", config)

@@ -40,7 +40,7 @@ def test_twenty_layers_keep_the_hybrid_pattern_and_every_other_field(tmp_path):
 def test_a_count_that_breaks_the_pattern_or_exceeds_the_model_changes_nothing(tmp_path):
     path = model(tmp_path / "m")
     before = path.read_bytes()
-    for layers in ("30", "44", "0"):
+    for layers in ("30", "44", "0", "twenty"):
         done = cut(tmp_path / "m", layers)
         assert done.returncode != 0
         assert str(path) in done.stderr and "num_hidden_layers" in done.stderr, done.stderr
