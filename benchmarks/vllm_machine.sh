@@ -15,6 +15,18 @@ fi
 die() { echo "run.sh: $*" >&2; exit 2; }
 alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# detach PIDFILE LOG COMMAND...: COMMAND in a session of its own, outliving the call that started it. The process
+# writes its own pid: `$!` is setsid's, which forks (and exits) where the caller runs with job control, as the
+# device machine's shell does, so `alive` would have called a live run dead.
+detach() {
+    local pidfile=$1 log=$2
+    shift 2
+    rm -f "$pidfile"
+    setsid nohup bash -c 'echo $$ > "$0"; exec "$@"' "$pidfile" "$@" > "$log" 2>&1 < /dev/null &
+    for _ in $(seq 1 100); do [[ -s $pidfile ]] && return 0; sleep 0.1; done
+    die "$* did not start (no $pidfile)"
+}
+
 # The payload's own server (serve.sh starts one on port 8000) holds 90 % of a card: stop its group.
 stop_payload_server() {
     alive /tmp/serve.pid || return 0

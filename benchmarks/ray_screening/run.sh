@@ -80,8 +80,8 @@ PY
         python3 -c "import ray; print('ray', ray.__version__)" 2>/dev/null || [[ $label == w1 ]] \
             || die "Ray is not installed: run.sh install DIR (its parts from run.sh wheels)"
         date +%s > "$WORK/$label/started"
-        (cd "$PROJ" && setsid nohup python3 -m orchestrator.cli run --config "$WORK/$label/orchestrator.yaml" \
-            "${workers[@]}" "$@" > "$WORK/$label/run.log" 2>&1 < /dev/null & echo $! > "$WORK/$label/run.pid")
+        (cd "$PROJ" && detach "$WORK/$label/run.pid" "$WORK/$label/run.log" \
+            python3 -m orchestrator.cli run --config "$WORK/$label/orchestrator.yaml" "${workers[@]}" "$@")
         echo "$label: orchestrator run ${workers[*]} $* started (pid $(cat "$WORK/$label/run.pid")), log $WORK/$label/run.log"
         ;;
     status)

@@ -104,8 +104,8 @@ case ${1:-} in
             cp "$HERE/serve.yaml" "$WORK/serve/serve.yaml"
         fi
         echo "part $part: ${PARTS[$part]}, from:"; cat "$WORK/serve/serve.yaml"
-        (cd "$PROJ" && setsid nohup python3 -m orchestrator.cli run --config "$CONFIG" --only "${PARTS[$part]}" "$@" \
-            > "$WORK/run.log" 2>&1 < /dev/null & echo $! > "$WORK/run.pid")
+        (cd "$PROJ" && detach "$WORK/run.pid" "$WORK/run.log" \
+            python3 -m orchestrator.cli run --config "$CONFIG" --only "${PARTS[$part]}" "$@")
         echo "orchestrator run started (pid $(cat "$WORK/run.pid")), log $WORK/run.log"
         ;;
     status)
@@ -123,8 +123,8 @@ case ${1:-} in
         [[ -n ${FROM:-} ]] && cp "$FROM" "$WORK/serve/serve.yaml"
         [[ -f $WORK/serve/serve.yaml ]] || die "no kept serve config: stage a part first, or give FROM=kept-serve.yaml"
         cp "$HERE/defaults.yaml" "$WORK/defaults.yaml"
-        (cd "$PROJ" && setsid nohup python3 "$PROJ/benchmarks/vllm_h200/compare.py" "$CONFIG" "$WORK" \
-            > "$WORK/compare.log" 2>&1 < /dev/null & echo $! > "$WORK/compare.pid")
+        (cd "$PROJ" && detach "$WORK/compare.pid" "$WORK/compare.log" \
+            python3 "$PROJ/benchmarks/vllm_h200/compare.py" "$CONFIG" "$WORK")
         echo "comparison started (pid $(cat "$WORK/compare.pid")), log $WORK/compare.log"
         ;;
     results)
