@@ -7,7 +7,7 @@ from pathlib import Path
 
 from orchestrator.config import Project
 from orchestrator.plugin import Plugin
-from orchestrator.steps import PROCESS_KINDS, StepContext, StepFailed, check, compute_all, read_disk
+from orchestrator.steps import FILE_CHECKS, PROCESS_KINDS, StepContext, StepFailed, check, compute_all, read_disk
 
 
 @dataclass
@@ -48,7 +48,7 @@ def build_plan(project: Project, plugins: list[Plugin], kept: set[str] = frozens
         for chk in variant.applies_if:
             if not chk.runs_on(target.kind):
                 continue
-            if chk.kind == "contains":
+            if chk.kind in FILE_CHECKS:
                 ok, why = check(chk, ctx, read)
                 item.notes.append(("met: " if ok else "unmet: ") + why)
                 unmet = unmet or (None if ok else why)

@@ -61,6 +61,14 @@ class Contains(_Strict):
     text: str
 
 
+class YamlHas(_Strict):
+    """yaml_set's check: the parsed value, whatever the file's layout (a flow mapping writes no `key: value` line)."""
+
+    path: str
+    key: str = Field(min_length=1)
+    value: Any
+
+
 def _one_kind(kinds: tuple[str, ...]):
     def check(cls, data: Any) -> Any:
         if not isinstance(data, dict):
@@ -111,12 +119,13 @@ class UndoStep(_Action):
 
 
 class Check(_Action):
-    """A precondition or a verification: exactly one of contains, command, python."""
+    """A precondition or a verification: exactly one of contains, yaml_has, command, python."""
 
     contains: Contains | None = None
+    yaml_has: YamlHas | None = None
     command: Command | None = None
     python: Python | None = None
-    _kinds = _one_kind(("contains", "command", "python"))
+    _kinds = _one_kind(("contains", "yaml_has", "command", "python"))
 
 
 class Manifest(_Strict):
@@ -237,7 +246,7 @@ def confine(root: Path, rel: str, source: Path | str | None = None, fld: str | N
 
 def _paths(action: _Action) -> list[tuple[str, str]]:
     body, kind = action.body, action.kind
-    if kind in ("replace", "yaml_set", "contains"):
+    if kind in ("replace", "yaml_set", "contains", "yaml_has"):
         return [(f"{kind}.path", body.path)]
     if kind == "deploy":
         return [("deploy.dest", body.dest)]

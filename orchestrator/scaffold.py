@@ -27,6 +27,7 @@ apply:                     # paths are relative to the target root and must stay
 
 verify:                    # fails -> rolled_back: verify_failed
   - contains: {{path: CHANGE_ME.txt, text: "SPEED = 2"}}
+  # - yaml_has: {{path: serve.yaml, key: max-num-seqs, value: 256}}   # a yaml_set's check
   # - command: {{run: [python, -c, "import app"], timeout: 60}}
 
 # rollback:                # extra undo (command/python) after files are restored

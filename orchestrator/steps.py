@@ -1,4 +1,4 @@
-"""Step and check kinds: replace, deploy, yaml_set, command, python; contains, command, python.
+"""Step and check kinds: replace, deploy, yaml_set, command, python; contains, yaml_has, command, python.
 
 Declarative steps compute the new bytes from a reader, so `plan` can show a diff without writing; a command or
 python step's process runs under a keeper (probes/keeper.py), which records what it changed.
@@ -22,6 +22,8 @@ from orchestrator.plugin import Check, Step, UndoStep, confine
 from orchestrator.probes.runner import Keeper, ProcessResult, run_process
 
 PROCESS_KINDS = ("command", "python")
+FILE_CHECKS = ("contains", "yaml_has")  # checks read from the files alone: `plan` evaluates them
+_ABSENT = object()
 HOOK_RUNNER = Path(__file__).resolve().parent / "hook_runner.py"
 Reader = Callable[[Path], "bytes | None"]
 
@@ -68,7 +70,7 @@ def _text(data: bytes, rel: str, kind: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise StepFailed(f"{kind}: {rel} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                         "it edits text files only") from None
+                         "it works on text files only") from None
 
 
 def compute(step: Step, ctx: StepContext, read: Reader) -> tuple[str, Path, Path, bytes]:
@@ -148,6 +150,27 @@ def yaml_set(text: str, key: str, value: Any, where: str) -> bytes:
     return out.getvalue().encode("utf-8")
 
 
+def yaml_get(text: str, key: str, where: str) -> Any:
+    """The value at a dotted key (digits index lists) of YAML text, or _ABSENT."""
+    try:
+        node = YAML(typ="safe", pure=True).load(text) if text.strip() else None
+    except Exception as e:  # noqa: BLE001 - any parse error of the file fails the check
+        raise StepFailed(f"yaml_has: cannot parse {where}: {e}") from None
+    for part in key.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return _ABSENT
+    return node
+
+
+def _same(found: Any, value: Any) -> bool:
+    """Equal as YAML means it: `true` is not `1`."""
+    return found == value and isinstance(found, bool) == isinstance(value, bool)
+
+
 def _run(ctx: StepContext, action, argv: list[str], timeout: float, what: str, keeper: Keeper | None) -> ProcessResult:
     _, root = ctx.root_of(action)
     env = {**ctx.env, "ORCHESTRATOR_PLUGIN_DIR": str(ctx.plugin_dir)}
@@ -222,6 +245,21 @@ def check(chk: Check, ctx: StepContext, read: Reader = read_disk) -> tuple[bool,
         if chk.body.text.encode("utf-8") in data:
             return True, f"{chk.body.path} contains {chk.body.text!r}"
         return False, f"{chk.body.path} does not contain {chk.body.text!r}"
+    if chk.kind == "yaml_has":
+        body = chk.body
+        _, _, full = _path(ctx, chk, body.path)
+        data = read(full)
+        if data is None:
+            return False, f"{body.path} does not exist"
+        try:
+            found = yaml_get(_text(data, body.path, "yaml_has"), body.key, body.path)
+        except StepFailed as e:
+            return False, str(e)
+        if found is _ABSENT:
+            return False, f"{body.path} has no {body.key}"
+        if _same(found, body.value):
+            return True, f"{body.path}: {body.key} is {body.value!r}"
+        return False, f"{body.path}: {body.key} is {found!r}, not {body.value!r}"
     result = _process(ctx, chk, "check")
     if result.timed_out or result.returncode != 0:
         return False, f"{chk.kind}: {_describe(result, chk.body.timeout)}"

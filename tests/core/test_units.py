@@ -11,9 +11,9 @@ import pytest
 from core_project import REPO, tree
 from orchestrator.journal import Journal
 from orchestrator.loading import ConfigError
-from orchestrator.plugin import Manifest, Plugin, Step, confine, order, substitute
+from orchestrator.plugin import Check, Manifest, Plugin, Step, confine, order, substitute
 from orchestrator.recovery import undo
-from orchestrator.steps import StepContext, StepFailed, apply_all, compute, read_disk, yaml_set
+from orchestrator.steps import StepContext, StepFailed, apply_all, check, compute, read_disk, yaml_set
 from orchestrator.store import Store
 
 
@@ -24,6 +24,35 @@ def test_yaml_set_keeps_comments_order_and_quotes():
     assert yaml_set(out, "a.new.deep", "v", "f.yaml").decode().endswith("  new:\n    deep: v\n")
     with pytest.raises(StepFailed, match="b is not a mapping"):
         yaml_set(text, "b.c", 1, "f.yaml")
+
+
+def test_yaml_has_reads_the_value_whatever_the_layout(tmp_path):
+    """yaml_set into a flow mapping writes no `key: value` line, so `contains` would call it missing."""
+    serve = tmp_path / "serve.yaml"
+    serve.write_text("kernel-config: {enable_flashinfer_autotune: false}\nseqs: [1, 256]\nflag: 1\n")
+    serve.write_bytes(yaml_set(serve.read_text(), "kernel-config.moe_backend", "flashinfer_cutlass", "serve.yaml"))
+    assert serve.read_text().startswith("kernel-config: {enable_flashinfer_autotune: false, moe_backend: ")
+    ctx = StepContext({"target": tmp_path}, "files", tmp_path, {})
+
+    def has(key, value, path="serve.yaml"):
+        return check(Check.model_validate({"yaml_has": {"path": path, "key": key, "value": value}}), ctx)
+
+    assert has("kernel-config.moe_backend", "flashinfer_cutlass") == (
+        True, "serve.yaml: kernel-config.moe_backend is 'flashinfer_cutlass'")
+    assert has("kernel-config.enable_flashinfer_autotune", False)[0]
+    assert has("seqs.1", 256)[0]
+    assert has("kernel-config.moe_backend", "triton") == (
+        False, "serve.yaml: kernel-config.moe_backend is 'flashinfer_cutlass', not 'triton'")
+    assert has("flag", True) == (False, "serve.yaml: flag is 1, not True")  # YAML's 1 is not true
+    assert has("kernel-config.monokernel", True) == (False, "serve.yaml has no kernel-config.monokernel")
+    assert has("seqs.2", 1) == (False, "serve.yaml has no seqs.2")
+    assert has("x", 1, "other.yaml") == (False, "other.yaml does not exist")
+    (tmp_path / "bad.yaml").write_text("a: [1,\n")
+    ok, why = has("a", 1, "bad.yaml")
+    assert not ok and why.startswith("yaml_has: cannot parse bad.yaml")
+    (tmp_path / "bin.yaml").write_bytes(b"\xff")
+    assert has("a", 1, "bin.yaml") == (False, "yaml_has: bin.yaml is not UTF-8 text (byte 0xff at offset 0); "
+                                              "it works on text files only")
 
 
 def test_replace_needs_exactly_count_matches(tmp_path):

@@ -40,6 +40,10 @@ BAD_MANIFESTS = {
                        ["apply.0.yaml_set.path", "path 'conf/' names a folder"]),
     "file with a slash": ("id: bad\napply:\n  - " + SPEED + "\nverify:\n  - contains: {path: app.txt/, text: x}\n",
                           ["verify.0.contains.path", "path 'app.txt/' names a folder"]),
+    "yaml_has without a key": ("id: bad\napply:\n  - " + SPEED + "\nverify:\n  - yaml_has: {path: a.yaml, value: 1}\n",
+                               ["plugin.yaml:5", "verify.0.yaml_has.key: required field is missing"]),
+    "yaml_has outside": ("id: bad\napply:\n  - " + SPEED + "\napplies_if:\n  - yaml_has: {path: ../x.yaml, key: a, value: 1}\n",
+                         ["applies_if.0.yaml_has.path", "must not contain '..'"]),
     "deploy to a folder": ("id: bad\napply:\n  - deploy: {src: plugin.yaml, dest: conf/.}\n",
                            ["apply.0.deploy.dest", "path 'conf/.' names a folder"]),
     "count as a string": ("id: bad\napply:\n  - replace: {path: app.txt, old: a, new: b, count: \"2\"}\n",
@@ -178,6 +182,29 @@ def test_plan_shows_diffs_and_changes_nothing(tmp_path):
     assert "apply would fail" in out and "NOT THERE" in out
     assert "runs python -c" in out
     assert tree(project.path) == before
+
+
+def test_plan_and_run_judge_yaml_has_on_the_parsed_file(tmp_path):
+    """`plan` evaluates a yaml_has precondition from the files; `run` verifies a yaml_set into a flow mapping."""
+    from core_project import add_plugin
+
+    project = make_project(tmp_path / "p", plugins=["speedup"])
+    (project.target / "conf" / "serve.yaml").write_text("max-num-seqs: 1\ngpu: {memory-utilization: 0.9}\n")
+    add_plugin(project, {"id": "flow", "order": 1,
+                         "applies_if": [{"yaml_has": {"path": "conf/serve.yaml", "key": "max-num-seqs", "value": 1}}],
+                         "apply": [{"yaml_set": {"path": "conf/serve.yaml", "key": "gpu.cache", "value": "fp8"}}],
+                         "verify": [{"yaml_has": {"path": "conf/serve.yaml", "key": "gpu.cache", "value": "fp8"}}]})
+    add_plugin(project, {"id": "wants-many", "order": 2,
+                         "applies_if": [{"yaml_has": {"path": "conf/serve.yaml", "key": "max-num-seqs", "value": 256}}],
+                         "apply": [{"yaml_set": {"path": "conf/serve.yaml", "key": "x", "value": 1}}]})
+    code, out = invoke(project, "plan")
+    assert code == 0, out
+    assert "met: conf/serve.yaml: max-num-seqs is 1" in out
+    assert "not_applicable (conf/serve.yaml: max-num-seqs is 1, not 256)" in out
+    project.cli("run", check=0)
+    outcomes = project.outcomes()
+    assert outcomes["flow"][1] != "verify_failed" and outcomes["flow"][0] in ("kept", "rolled_back"), outcomes
+    assert outcomes["wants-many"] == ("skipped", "not_applicable"), outcomes
 
 
 def test_missing_plugins_folder_or_target_root_exits_2(tmp_path):

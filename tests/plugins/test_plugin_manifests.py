@@ -11,7 +11,7 @@ import yaml
 import kernels
 from engine.config import KERNEL_KEYS, key_ops, load_config
 from orchestrator.plugin import load_all
-from orchestrator.steps import StepContext, compute
+from orchestrator.steps import FILE_CHECKS, StepContext, check, compute
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIMIZATIONS = REPO / "optimizations"
@@ -154,11 +154,42 @@ def test_vllm_serve_plugins_check_their_option_verify_and_roll_back(tmp_path):
         assert [c.body.run[-2:] for c in m.applies_if if c.runs_on("vllm")] == [["has", asked]], pid
         for variant in plugins[pid].variants:
             assert [s.body.key for s in variant.apply if s.runs_on("vllm")] == [option], pid
-            assert {c.kind for c in variant.verify if c.runs_on("vllm")} == {"contains", "command"}, pid
+            assert {c.kind for c in variant.verify if c.runs_on("vllm")} == {"yaml_has", "command"}, pid
             assert [s.body.run[-2:] for s in variant.rollback if s.runs_on("vllm")] == [["check", "serve.yaml"]], pid
         assert m.changes_numerics == (pid in CHANGES_NUMERICS), pid
     assert [v.params for v in plugins["max-num-seqs-search"].variants] == [
         {"max_num_seqs": n} for n in (512, 1024)]
+
+
+# the serve configs the shipped vLLM plugins are staged on: the Dockerfile's, the GPU run's (flow mappings in it)
+SERVE_CONFIGS = [REPO / "docker" / "serve.yaml", REPO / "benchmarks" / "vllm_h200" / "serve.yaml",
+                 REPO / "benchmarks" / "vllm_h200" / "defaults.yaml"]
+
+
+@pytest.mark.parametrize("config", SERVE_CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_vllm_serve_variant_passes_its_own_file_checks_on_the_shipped_configs(tmp_path, config):
+    """A variant's edit, made on a config the project ships, passes the variant's own checks of the file: on one
+    H100, moe-backend wrote into the config's flow mapping `kernel-config: {...}` and its text check failed."""
+    serve = tmp_path / "serve.yaml"
+    plugins = load_all(OPTIMIZATIONS, {"vllm": tmp_path, "serve": tmp_path}, {"serve_config": "serve.yaml"})
+    checked = 0
+    for plugin in plugins:
+        edits = [s for v in plugin.variants for s in v.apply if s.runs_on("vllm")]
+        if "vllm" not in plugin.manifest.targets or not all(s.kind == "yaml_set" for s in edits):
+            continue  # it patches vLLM's source (tests/vllm)
+        ctx = StepContext(roots={"vllm": tmp_path, "serve": tmp_path}, kind="vllm", plugin_dir=plugin.folder, env={})
+        for variant in plugin.variants:
+            serve.write_bytes(config.read_bytes())
+            for step in variant.apply:
+                if step.runs_on("vllm") and step.kind == "yaml_set":
+                    serve.write_bytes(compute(step, ctx, lambda p: p.read_bytes())[3])
+            for chk in variant.verify:
+                if chk.runs_on("vllm") and chk.kind in FILE_CHECKS:
+                    ok, why = check(chk, ctx)
+                    assert ok, f"{plugin.id} {variant.label} on {config.name}: {why}"
+                    checked += 1
+            assert yaml.safe_load(serve.read_text()) != yaml.safe_load(config.read_text()), plugin.id
+    assert checked >= 16
 
 
 def test_changes_numerics_reaches_the_probe_environment(tmp_path):
