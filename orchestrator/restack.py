@@ -7,6 +7,7 @@ the deployment the candidate, so a gain is the deployment's.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from orchestrator import decide
@@ -83,21 +84,34 @@ class Restack:
                 base.server.stop()
             self.prober.release()
 
+    def policy_across(self, without: set[str]) -> Policy:
+        """The run's policy for a comparison across the kept plugins `without`, with the largest effect they declare
+        (`accept: {implausible_factor: N}`, multiplied across them): the stack that holds max-num-seqs-256 (up to
+        x300) against the one-sequence baseline is not implausible at x9, and re-measuring it cost fresh servers."""
+        policy = self.run.project.policy
+        declared = [p.manifest.accept.implausible_factor for p in self.plugins
+                    if p.id in without and p.manifest.accept is not None
+                    and p.manifest.accept.implausible_factor is not None]
+        factor = math.prod(declared) if declared else policy.implausible_factor
+        if factor <= policy.implausible_factor:
+            return policy
+        return policy.model_copy(update={"implausible_factor": factor})
+
     def measure_switch(self, plugin: str, kind: str, images: list[tuple[dict, dict]], phase: str,
-                       without: set[str]) -> tuple[int, Verdict | None]:
+                       without: set[str], policy: Policy) -> tuple[int, Verdict | None]:
         """A comparison step of the deployment against another state, which lacks the kept plugins `without`;
         None when an arm failed (recorded)."""
         step_id = self.switch_step(plugin, kind, images)
         name = label(self.store.step(step_id))
         self.reporter.phase(name, phase)
         try:
-            return step_id, self.compare(step_id, self.run.project.policy, name, without)
+            return step_id, self.compare(step_id, policy, name, without)
         except ArmFailed as e:
             self.store.finish_step(step_id, MEASURED, e.reason, str(e))
             return step_id, None
 
-    def record(self, step_id: int, verdict: Verdict, reason: str | None, detail: str) -> None:
-        self.prober.record(verdict, self.run.project.policy)
+    def record(self, step_id: int, verdict: Verdict, policy: Policy, reason: str | None, detail: str) -> None:
+        self.prober.record(verdict, policy)
         self.store.finish_step(step_id, MEASURED, reason, detail, **numbers(verdict))
         self.reporter.outcome(label(self.store.step(step_id)), MEASURED, reason, verdict.decision.gain)
 
@@ -111,15 +125,16 @@ class Restack:
             for f in self.deployment.files(sid):
                 first.setdefault(self.journal.path(f), f)
                 last[self.journal.path(f)] = f
+        without = {self.store.step(sid)["plugin"] for sid in kept}
+        policy = self.policy_across(without)
         step_id, verdict = self.measure_switch(FINAL, "final", [(last[k], first[k]) for k in last],
-                                               "re-validating the kept stack",
-                                               {self.store.step(sid)["plugin"] for sid in kept})
+                                               "re-validating the kept stack", without, policy)
         if verdict is None:
             return
         d = verdict.decision
         better = d.verdict == "keep"
         detail = f"kept stack against the run's baseline: {describe(d)}"
-        self.record(step_id, verdict, None if better else "stack_not_better", detail)
+        self.record(step_id, verdict, policy, None if better else "stack_not_better", detail)
         if not better:
             self.store.event(self.run.run_id, "warning", f"the kept stack as a whole is not better than the baseline "
                                                          f"({detail}); nothing was rolled back", step_id)
@@ -135,11 +150,13 @@ class Restack:
                                        f"later kept plugins changed the same files: {'; '.join(clashes)}")
                 self.reporter.outcome(label(self.store.step(step_id)), MEASURED, "not_separable", None)
                 continue
+            policy = self.policy_across({plugin_id})
             step_id, verdict = self.measure_switch(plugin_id, "attribution", [(f, f) for f in self.deployment.files(sid)],
-                                                   "leave-one-out", {plugin_id})
+                                                   "leave-one-out", {plugin_id}, policy)
             if verdict is None:
                 continue
-            self.record(step_id, verdict, None, f"contribution of {plugin_id} to the stack: {describe(verdict.decision)}")
+            self.record(step_id, verdict, policy, None,
+                        f"contribution of {plugin_id} to the stack: {describe(verdict.decision)}")
 
     # decisions measured in another environment
     def reverify(self) -> None:

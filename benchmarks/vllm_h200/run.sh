@@ -135,6 +135,9 @@ case ${1:-} in
         orch report --out "$out/report" > /dev/null 2>&1 || true
         cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$out/" 2>/dev/null || true
         cp "$WORK/serve/serve.yaml" "$out/kept-serve.yaml" 2>/dev/null || true
+        # the history whole, every sample's metrics in it: a copy of the file alone would lack what its WAL holds
+        python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+            "$WORK/state/orchestrator.db" "$out/orchestrator.db" 2>/dev/null || true
         cp /tmp/qwen36/config.json "$out/model-config.json" 2>/dev/null || true
         cat "$out/status.txt" "$out/kept-serve.yaml" 2>/dev/null || true
         cat "$WORK/compare.md" 2>/dev/null || true

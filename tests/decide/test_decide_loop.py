@@ -134,4 +134,7 @@ def test_an_implausible_gain_that_holds_is_vetoed_unless_the_plugin_expects_it(t
     assert absurd["decision"]["n_candidate"] > 3  # re-measured first
     assert "implausible" in absurd["detail"] and "held after re-measuring" in absurd["detail"], absurd["detail"]
     assert (steps["big"]["outcome"], steps["big"]["reason"]) == ("kept", None)
+    # the stack holding it, against the baseline, is judged with the effect `big` declares: no re-measuring
+    final = json.loads(proc.stdout)["final"]
+    assert final["decision"]["n_candidate"] == 3 and "implausible" not in final["detail"], final
     assert (tmp_path / "target" / "app.txt").read_text() == APP.replace("FAST = 1.00", "FAST = 5.00")
