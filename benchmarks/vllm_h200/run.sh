@@ -14,7 +14,8 @@
 #
 # A part (PARTS below) fits about 20 minutes of the H200 (orchestrator.yaml gives the cost split); each starts
 # from the serve config the part before kept: FROM=kept-serve.yaml (a part's `results`) to continue from one. The
-# first part calibrates the first state it keeps; a part started FROM a kept stack calibrates that stack first.
+# first part calibrates the first state it keeps; a part started FROM a kept stack calibrates that stack first,
+# unless STATE=results/state brings the history of the part before (its calibration holds: same fingerprint).
 # Each command returns within seconds; `stage` and `compare` leave their work running detached from a copy of
 # the project in /tmp/proj (each command on such a machine re-copies the working tree, which would pull the code
 # from under a job started inside it; logs in /tmp/h200-run).
@@ -33,7 +34,7 @@ CONFIG=$PROJ/benchmarks/vllm_h200/orchestrator.yaml
 # source (0.34.0 lacks their anchors: not_applicable).
 declare -A PARTS=(
     [1]="max-num-seqs-256,max-batched-tokens-32k,moe-backend"
-    [2]="ssm-state-bf16,async-scheduling,fusion-qk-norm-rope,cudagraph-capture-size"
+    [2]="moe-backend,ssm-state-bf16,async-scheduling,fusion-qk-norm-rope,cudagraph-capture-size"
     [3]="api-server-count,stream-interval"
     [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
 )
@@ -96,6 +97,12 @@ case ${1:-} in
         shift 2
         alive "$WORK/run.pid" && die "a run is going (pid $(cat "$WORK/run.pid")): poll with 'run.sh status'"
         setup
+        if [[ -n ${STATE:-} ]]; then  # the history of the part before, from its `results`: its calibration holds
+            [[ -f $STATE/orchestrator.db ]] || die "STATE=$STATE: no orchestrator.db there (a part's results/state)"
+            [[ -e $WORK/state ]] && die "$WORK/state exists: STATE= starts a fresh machine from a part's history"
+            cp -r "$STATE" "$WORK/state"
+            [[ -n ${FROM:-} ]] || die "STATE= needs FROM=, the serve config that history kept (kept-serve.yaml)"
+        fi
         if [[ -n ${FROM:-} ]]; then
             cp "$FROM" "$WORK/serve/serve.yaml"
             # a later part starts from a kept stack, not from the seed's one-sequence baseline: it calibrates that
@@ -135,9 +142,14 @@ case ${1:-} in
         orch report --out "$out/report" > /dev/null 2>&1 || true
         cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$out/" 2>/dev/null || true
         cp "$WORK/serve/serve.yaml" "$out/kept-serve.yaml" 2>/dev/null || true
-        # the history whole, every sample's metrics in it: a copy of the file alone would lack what its WAL holds
-        python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
-            "$WORK/state/orchestrator.db" "$out/orchestrator.db" 2>/dev/null || true
+        # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
+        # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
+        if [[ -f $WORK/state/orchestrator.db ]]; then
+            mkdir -p "$out/state"
+            python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+                "$WORK/state/orchestrator.db" "$out/state/orchestrator.db" || true
+            cp -r "$WORK/state/blobs" "$out/state/" 2>/dev/null || true
+        fi
         cp /tmp/qwen36/config.json "$out/model-config.json" 2>/dev/null || true
         cat "$out/status.txt" "$out/kept-serve.yaml" 2>/dev/null || true
         cat "$WORK/compare.md" 2>/dev/null || true

@@ -140,6 +140,24 @@ def test_a_calibration_at_the_first_keep_measures_the_state_the_later_decisions_
         assert after["between"] == c["between_sd"]
 
 
+def test_a_later_part_on_the_same_history_judges_by_its_calibration_without_measuring_it_again(tmp_path):
+    """A run staged in parts (benchmarks/vllm_h200: one per GPU session, the history carried from one machine to the
+    next) calibrates once: the second part's decisions count the first part's start effects, and it starts no A/A
+    server of its own."""
+    plugins = {"faster": "1.25", "no-op-0": None, "no-op-1": None}
+    policy = {"min_gain": 0.02, "min_pairs": 2, "max_pairs": 4,
+              "calibrate": {"starts": 3, "pairs": 2, "at": "first_keep"}}
+    root = project(tmp_path, plugins, policy)
+    cli(root, "run", "--only", "faster,no-op-0")
+    cli(root, "run", "--only", "no-op-1")
+    [c] = rows(root, "SELECT * FROM calibrations")
+    steps = rows(root, "SELECT * FROM steps ORDER BY id")
+    assert [s["plugin"] for s in steps if s["run_id"] == 2 and s["kind"] in ("attempt", "calibration")] == ["no-op-1"]
+    [d] = [json.loads(d["decision"]) for s in steps if s["plugin"] == "no-op-1"
+           for d in rows(root, f"SELECT decision FROM decisions WHERE step_id = {s['id']}")]
+    assert d["between"] > 0 and d["between_df"] >= c["between_df"], (d, c)
+
+
 def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
     plugins = {f"no-op-{i}": None for i in range(NO_OPS // 2)}
     plugins["faster"] = "1.25"
