@@ -148,7 +148,7 @@ case ${1:-} in
             mkdir -p "$out/state"
             python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
                 "$WORK/state/orchestrator.db" "$out/state/orchestrator.db" || true
-            cp -r "$WORK/state/blobs" "$out/state/" 2>/dev/null || true
+            cp -r "$WORK/state/blobs" "$WORK/state/intents.jsonl" "$out/state/" 2>/dev/null || true  # not the lock
         fi
         cp /tmp/qwen36/config.json "$out/model-config.json" 2>/dev/null || true
         cat "$out/status.txt" "$out/kept-serve.yaml" 2>/dev/null || true
