@@ -28,8 +28,8 @@ import numpy as np
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.kept import KeptState
-from orchestrator.noise import (Noise, ceiling, components, offset, pairs_needed, pairs_per_start, starts_needed,
-                                wake_spread, wakes_like_fresh)
+from orchestrator.noise import (Noise, ceiling, components, offset, pairs_needed, pairs_per_start, score_terms,
+                                starts_needed, wake_spread, wakes_like_fresh)
 from orchestrator.pairing import Together, choose
 from orchestrator.policy import Policy
 from orchestrator.prober import Arm, Prober, fingerprint
@@ -54,6 +54,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     kept.arm.show = None
     blocks: list[dict[str, Any]] = []
     samples: list[tuple[object, int, float, float]] = []  # (server, segment, time, value) of every judged sample
+    metrics: list[tuple[object, dict]] = []  # (server, metrics) of every judged sample
     for j in range(starts):
         step_id = store.new_step(run.run_id, label(j), "measuring", kind=KIND, objective=prober.objective)
         cand = Arm(list(kept.arm.holding))
@@ -69,6 +70,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
             prober.release()
         logs = [math.log(c.value / b.value) for b, c in zip(verdict.base, verdict.cand)]
         samples += [(x.server, x.segment, x.at, x.value) for x in (*verdict.base, *verdict.cand)]
+        metrics += [(x.server, x.metrics) for x in (*verdict.base, *verdict.cand)]
         blocks.append({"step": step_id, "logs": logs, "finished": time.time(), "base": [s.value for s in verdict.base],
                        "cand": [s.value for s in verdict.cand],
                        "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)]})
@@ -105,7 +107,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     summary.update(
         pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
         simulated=simulated, fresh_offset=fresh, blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks],
-        raw=noise.raw, carried=noise.carried, ceiling=ceiling(noise))
+        raw=noise.raw, carried=noise.carried, ceiling=ceiling(noise), terms=score_terms(metrics))
     if mode == "sleeping":
         summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "still": noise.still,
                            "like_fresh": wakes_like_fresh(noise), "same": wake[3] if wake else 0,

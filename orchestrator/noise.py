@@ -245,3 +245,37 @@ def wakes_like_fresh(noise: Noise) -> bool:
     if noise.wake is None or noise.wake_p is None or noise.wake_p >= WAKE_ALPHA:
         return True
     return noise.wake <= max(noise.still or 0.0, noise.between / 2)
+
+
+# the terms of the serving score (probes/results.py: with_score), each a throughput the score weighs
+SCORE_TERMS = (("output", "output_throughput"), ("input", "input_throughput"), ("cached", "cached_throughput"))
+
+
+def score_terms(samples: Sequence[tuple[Hashable, dict]]) -> dict[str, float] | None:
+    """Where the serving score's spread within a server comes from: {"score": its sd within a server, and each
+    weighted term's ("output", "input", "cached")}, relative to the mean score, pooled over the servers that gave
+    two samples or more. A prompt counts whole in the window its first token streams in, so the input term moves in
+    steps of a prompt; the output term, counted token by token, should not: the two say whether a noisy objective
+    is the server's speed or the window's count of prompts. None where the samples (server, metrics) carry no
+    score weights, or no server gave two."""
+    groups: dict[Hashable, list[dict[str, float]]] = {}
+    for server, metrics in samples:
+        weights = metrics.get("score_weights")
+        if not isinstance(weights, dict) or not isinstance(metrics.get("score"), (int, float)):
+            continue
+        terms = {"score": float(metrics["score"])}
+        for name, field in SCORE_TERMS:
+            terms[name] = float(weights.get(name, 0.0)) * float(metrics.get(field) or 0.0)
+        groups.setdefault(server, []).append(terms)
+    groups = {k: g for k, g in groups.items() if len(g) >= 2}
+    if not groups:
+        return None
+    df = sum(len(g) - 1 for g in groups.values())
+    mean_score = float(np.mean([t["score"] for g in groups.values() for t in g]))
+    out = {}
+    for name in ("score", *(n for n, _ in SCORE_TERMS)):
+        squares = sum(float(np.sum((np.array([t[name] for t in g]) - np.mean([t[name] for t in g])) ** 2))
+                      for g in groups.values())
+        out[name] = math.sqrt(squares / df) / mean_score
+    return out
+

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
 from orchestrator.fingerprint import environment
-from orchestrator.status import offset_line, pooled_line, screening_line, screening_of, wake_line
+from orchestrator.status import offset_line, pooled_line, screening_line, screening_of, terms_line, wake_line
 from orchestrator.store import Reader, label, loads
 
 
@@ -240,6 +240,8 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
             out.append(f"- {line}")
         if wake := summary.get("wake"):
             out.append(f"- {wake_line(wake).strip()}")
+        if (line := terms_line(summary.get("terms"))) is not None:
+            out.append(f"- {line}")
     out += ["",
             f"![each decision's gain in {objective or 'the objective'}]({chart_name})", "",
             "Each row: a decision's gain with its interval (the A/A blocks of a calibration, too); the dashed line "

@@ -159,7 +159,20 @@ def calibration_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"  {line}")
     if wake := c.get("wake"):
         lines.append(wake_line(wake))
+    if (line := terms_line(c.get("terms"))) is not None:
+        lines.append(f"  {line}")
     return lines
+
+
+def terms_line(terms: dict[str, float] | None) -> str | None:
+    """Which of the serving score's terms its spread within a server comes from (noise.score_terms)."""
+    if not terms:
+        return None
+    parts = [f"its {name} term {terms[name]:.2%}" for name in ("output", "input", "cached") if terms.get(name)]
+    if not parts:
+        return None
+    return (f"within a server the score spreads by {terms['score']:.2%} of its mean: " + ", ".join(parts)
+            + " (a prompt counts whole in the window its first token streams in)")
 
 
 def pooled_line(decisions: list[dict[str, Any] | None], calibrated_df: int | None) -> str | None:

@@ -56,6 +56,10 @@ def test_the_gpu_flow_runs_on_live_servers_from_calibration_to_the_final_revalid
     [calibration] = query(tmp_path, "SELECT * FROM calibrations")
     assert (calibration["starts"], calibration["pairs"], calibration["pairing"]) == (3, 2, "coresident")
     assert [steps[f"(A/A {i})"]["kind"] for i in (1, 2, 3)] == ["calibration"] * 3
+    # which of the score's terms its spread within a server comes from, from the A/A samples' metrics
+    terms = json.loads(calibration["summary"])["terms"]
+    assert terms["output"] > 0 and terms["input"] > 0
+    assert terms["score"] <= terms["output"] + terms["input"] + terms["cached"] + 1e-12
 
     procs = query(tmp_path, "SELECT p.id, coalesce(s.plugin, 'baseline') AS plugin, p.what, p.started, p.ended "
                             "FROM processes p LEFT JOIN steps s ON s.id = p.step_id ORDER BY p.id")
