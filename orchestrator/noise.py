@@ -256,8 +256,9 @@ def score_terms(samples: Sequence[tuple[Hashable, dict]]) -> dict[str, float] | 
     weighted term's ("output", "input", "cached")}, relative to the mean score, pooled over the servers that gave
     two samples or more. A prompt counts whole in the window its first token streams in, so the input term moves in
     steps of a prompt; the output term, counted token by token, should not: the two say whether a noisy objective
-    is the server's speed or the window's count of prompts. None where the samples (server, metrics) carry no
-    score weights, or no server gave two."""
+    is the server's speed or the window's count of prompts; "streamed", where the samples have it, is the spread of
+    the score with prompts counted over their streamed tokens instead (probes/results.py: ``score_streamed``). None
+    where the samples (server, metrics) carry no score weights, or no server gave two."""
     groups: dict[Hashable, list[dict[str, float]]] = {}
     for server, metrics in samples:
         weights = metrics.get("score_weights")
@@ -266,6 +267,8 @@ def score_terms(samples: Sequence[tuple[Hashable, dict]]) -> dict[str, float] | 
         terms = {"score": float(metrics["score"])}
         for name, field in SCORE_TERMS:
             terms[name] = float(weights.get(name, 0.0)) * float(metrics.get(field) or 0.0)
+        if isinstance(metrics.get("score_streamed"), (int, float)):
+            terms["streamed"] = float(metrics["score_streamed"])
         groups.setdefault(server, []).append(terms)
     groups = {k: g for k, g in groups.items() if len(g) >= 2}
     if not groups:
@@ -273,7 +276,8 @@ def score_terms(samples: Sequence[tuple[Hashable, dict]]) -> dict[str, float] | 
     df = sum(len(g) - 1 for g in groups.values())
     mean_score = float(np.mean([t["score"] for g in groups.values() for t in g]))
     out = {}
-    for name in ("score", *(n for n, _ in SCORE_TERMS)):
+    streamed = all("streamed" in t for g in groups.values() for t in g)
+    for name in ("score", *(n for n, _ in SCORE_TERMS), *(("streamed",) if streamed else ())):
         squares = sum(float(np.sum((np.array([t[name] for t in g]) - np.mean([t[name] for t in g])) ** 2))
                       for g in groups.values())
         out[name] = math.sqrt(squares / df) / mean_score

@@ -171,8 +171,10 @@ def terms_line(terms: dict[str, float] | None) -> str | None:
     parts = [f"its {name} term {terms[name]:.2%}" for name in ("output", "input", "cached") if terms.get(name)]
     if not parts:
         return None
+    streamed = (f"; counting each prompt over its streamed tokens instead (score_streamed), {terms['streamed']:.2%}"
+                if terms.get("streamed") is not None else "")
     return (f"within a server the score spreads by {terms['score']:.2%} of its mean: " + ", ".join(parts)
-            + " (a prompt counts whole in the window its first token streams in)")
+            + f" (a prompt counts whole in the window its first token streams in){streamed}")
 
 
 def pooled_line(decisions: list[dict[str, Any] | None], calibrated_df: int | None) -> str | None:

@@ -36,6 +36,7 @@ class Outcome:
     success: bool = False
     error: str = ""
     prompt_len: int = 0
+    max_tokens: int = 0  # asked for: with ignore_eos, what a request still streaming will have streamed
     output_tokens: int = 0
     cached_tokens: int | None = None
     ttft: float = 0.0
@@ -50,7 +51,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     """One streaming completion, timed the way `vllm bench serve` times it; into `out` as it streams, so that a
     request cancelled midway keeps what it received."""
     out = out if out is not None else Outcome()
-    out.prompt_len = len(prompt)
+    out.prompt_len, out.max_tokens = len(prompt), max_tokens
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = last = time.perf_counter()

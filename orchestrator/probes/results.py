@@ -56,13 +56,14 @@ def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple
         total_out += per_chunk * sum(1 for t in o.token_times if inside(t))
     prefilled = [o for o in outcomes if inside(o.first_at)]
     total_in = sum(o.prompt_len for o in prefilled)
+    spread_in, spread_cached = streamed_prompts(outcomes, inside)
     tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
     result = {
         "duration": duration, "completed": len(done), "failed": len(failed),
         "total_input_tokens": total_in, "total_output_tokens": round(total_out),
         "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration, "steady_state": True,
-        "requests_sent": len(outcomes),
+        "requests_sent": len(outcomes), "streamed_input_tokens": spread_in, "streamed_cached_tokens": spread_cached,
     }
     result.update(_stats("ttft", [o.ttft for o in done]))
     result.update(_stats("tpot", tpots))
@@ -71,6 +72,23 @@ def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple
     result["errors"] = sorted({o.error for o in failed})[:10]
     cached = [o.cached_tokens for o in prefilled if o.cached_tokens is not None]
     return result, (sum(cached) if cached else 0), ("usage" if cached else "none")
+
+
+def streamed_prompts(outcomes: list[Outcome], inside) -> tuple[float, float]:
+    """(prompt tokens, cached ones) counted over each request's streamed tokens: a request whose window holds a
+    third of its output tokens counts a third of its prompt. In a steady state this has the mean of counting each
+    prompt whole at its first token (every request brings its prompt and its output, whichever window sees which),
+    without moving by a whole prompt as one more first token falls inside the window or outside it."""
+    prompt = cached = 0.0
+    for o in outcomes:
+        total = o.output_tokens if o.success and o.output_tokens else max(o.max_tokens, len(o.token_times))
+        if not o.token_times or total <= 0:
+            continue
+        per_chunk = o.output_tokens / len(o.token_times) if o.success and o.output_tokens else 1.0
+        share = min(1.0, per_chunk * sum(1 for t in o.token_times if inside(t)) / total)
+        prompt += share * o.prompt_len
+        cached += share * (o.cached_tokens or 0)
+    return prompt, cached
 
 
 def window_result(outcomes: list[Outcome], start: float, end: float, counters: dict[str, float],
@@ -105,7 +123,8 @@ def window_result(outcomes: list[Outcome], start: float, end: float, counters: d
 
 def with_score(result: dict, cached_tokens: float, weights: tuple[float, float, float]) -> dict:
     """Adds uncached and cached prompt throughput and the weighted score (over ``rate_seconds`` where the server's
-    step ends gave the window's span, else its duration)."""
+    step ends gave the window's span, else its duration); for a steady-state window also ``score_streamed``, the
+    same score with the prompts counted over their streamed tokens (``streamed_prompts``)."""
     duration = result.get("rate_seconds") or result["duration"]
     result["total_cached_tokens"] = cached_tokens
     result["input_throughput"] = (result["total_input_tokens"] - cached_tokens) / duration
@@ -114,6 +133,11 @@ def with_score(result: dict, cached_tokens: float, weights: tuple[float, float, 
     result["score_weights"] = {"output": w_out, "input": w_in, "cached": w_cached}
     result["score"] = (w_out * result["output_throughput"] + w_in * result["input_throughput"]
                        + w_cached * result["cached_throughput"])
+    if "streamed_input_tokens" in result:  # a steady-state window: the score with prompts counted as they stream
+        cached_rate = result["streamed_cached_tokens"] / duration
+        result["streamed_input_throughput"] = result["streamed_input_tokens"] / duration - cached_rate
+        result["score_streamed"] = (w_out * result["output_throughput"] + w_in * result["streamed_input_throughput"]
+                                    + w_cached * cached_rate)
     return result
 
 

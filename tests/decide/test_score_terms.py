@@ -29,6 +29,17 @@ def test_a_window_that_counts_prompts_whole_shows_in_the_input_term_alone():
     assert terms["score"] == pytest.approx(terms["input"], rel=1e-12)  # the server level (4640 vs 4600) is not in it
 
 
+def test_the_streamed_score_is_set_beside_where_every_sample_has_it():
+    samples = [("a", {**sample(4640, 23000), "score_streamed": 100.0}),
+               ("a", {**sample(4640, 24000), "score_streamed": 102.0})]
+    terms = score_terms(samples)
+    mean = (samples[0][1]["score"] + samples[1][1]["score"]) / 2
+    assert terms["streamed"] == pytest.approx(math.sqrt(2.0) / mean)  # sd of 100, 102 over the score's mean
+    assert terms_line(terms).endswith(f"counting each prompt over its streamed tokens instead (score_streamed), "
+                                      f"{terms['streamed']:.2%}")
+    assert "streamed" not in score_terms([samples[0], ("a", sample(4640, 24000))])  # one lacks it: not said
+
+
 def test_the_score_spreads_no_more_than_its_terms_together():
     samples = [(s, sample(4640 + 40 * ((i * 7) % 5 - 2), 23000 + 500 * ((i * 3) % 4 - 1.5)))
                for s in ("a", "b", "c") for i in range(4)]
