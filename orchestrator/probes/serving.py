@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"two probes measure at the same time (default: ${START_AT_ENV}, else at once)")
     p.add_argument("--windows", type=int, default=1,
                    help="measured passes on the one server, each from its own prompts; the best is reported")
-    p.add_argument("--best-of", default="score", choices=["score", "cpu_score", "output_throughput"],
+    p.add_argument("--best-of", default="score", choices=["score", "cpu_score", "output_throughput", "score_streamed"],
                    help="the figure that picks the best pass (default: score)")
     p.add_argument("--warmup", action="store_true",
                    help="before the measured window, one concurrent batch of other prompts shaped like the "
@@ -136,6 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems = "; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-') or 'workload'}: {e['msg']}"
                              for e in exc.errors())
         p.error(problems)
+    if args.best_of == "score_streamed" and not args.duration:
+        p.error("--best-of score_streamed needs --duration (a steady state's window counts the streamed prompts)")
     if args.turns and not (args.base_url and args.duration):
         p.error("--turns needs --base-url (a running server) and --duration (a steady state)")
     if os.environ.get(WARMUP_ENV, "").strip() == "1":

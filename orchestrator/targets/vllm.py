@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
@@ -56,13 +56,20 @@ class VllmConfig(TargetConfig):
     server_timeout: int = Field(1800, ge=1)  # seconds for the serving benchmark once the server is up
     check_timeout: int = Field(600, ge=1)  # seconds for the greedy completions and the kernel check
     correctness: Literal["auto", "exact", "agreement"] = "auto"  # auto: agreement where numerics change
-    # the serving probe's number to maximise: score (weighted tokens per wall second), or cpu_score (per second
-    # of the server's own CPU time, which other processes on a shared CPU machine do not stretch)
-    objective: Literal["score", "cpu_score", "output_throughput"] = "score"
+    # the serving probe's number to maximise: score (weighted tokens per wall second), cpu_score (per second of the
+    # server's own CPU time, which other processes on a shared CPU machine do not stretch), or score_streamed (the
+    # score with each prompt counted over its streamed tokens: steady-state windows only, docs/serving.md)
+    objective: Literal["score", "cpu_score", "output_throughput", "score_streamed"] = "score"
     workload: VllmWorkload = Field(default_factory=VllmWorkload)
     # auto: where the installed vLLM has sleep mode, the kept state's server lives from candidate to candidate and
     # sleeps while another is measured (pairing "sleeping"); off: one server at a time, restarted at each switch
     sleep: Literal["auto", "off"] = "auto"
+
+    @model_validator(mode="after")
+    def _streamed_needs_a_window(self) -> "VllmConfig":
+        if self.objective == "score_streamed" and self.workload.duration is None:
+            raise ValueError("objective score_streamed is measured over steady-state windows: set workload.duration")
+        return self
 
     @field_validator("serve_args")
     @classmethod

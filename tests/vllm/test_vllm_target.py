@@ -103,6 +103,18 @@ def test_serve_args_may_not_take_what_the_probes_set(args):
         VllmTarget.Config(kind="vllm", serve_args=["--max-model-len", "4096", *args])
 
 
+def test_the_streamed_score_is_an_objective_of_steady_state_windows_only(deployment):
+    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml", objective="score_streamed")
+    serving = target.default_probes()[-1]
+    assert serving["objective"] == "score_streamed"
+    assert serving["command"][serving["command"].index("--best-of") + 1] == "score_streamed"
+    with pytest.raises(Exception, match="score_streamed is measured over steady-state windows"):
+        VllmTarget.Config(kind="vllm", objective="score_streamed", workload={"duration": None})
+    from orchestrator.probes.serving import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--best-of", "score_streamed", "--num-prompts", "4"])
+
+
 def test_python_in_the_serve_command_is_this_interpreter(deployment):
     target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml",
                   serve_command=["python3", "-m", "vllm.entrypoints.cli.main", "serve"])
