@@ -89,7 +89,9 @@ def chaos_project(path, plugins=PLUGINS):
 def edit_by_hand(project, rng) -> dict[str, tuple]:
     """Once every process of the killed command ended, and 0 to 2 s more, a person edits the target: a new file, a
     line added to a file no plugin changes, a new folder with a file. Returns what the edited paths then hold."""
-    ended(project, 30)
+    # the premise of every check below: no process of the killed command can still change the target (a loaded
+    # machine may take its time to end them; an edit made before would be theirs to the keepers)
+    assert ended(project, 120), "processes of the killed command were still running after 120 s"
     time.sleep(rng.uniform(0.0, 2.0))
     target = project.target
     (target / "notes.txt").write_text("after the crash\n")
