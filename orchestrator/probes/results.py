@@ -56,14 +56,14 @@ def summarize_window(outcomes: list[Outcome], start: float, end: float) -> tuple
         total_out += per_chunk * sum(1 for t in o.token_times if inside(t))
     prefilled = [o for o in outcomes if inside(o.first_at)]
     total_in = sum(o.prompt_len for o in prefilled)
-    spread_in, spread_cached = streamed_prompts(outcomes, inside)
+    streamed_in, streamed_cached = streamed_prompts(outcomes, inside)
     tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
     result = {
         "duration": duration, "completed": len(done), "failed": len(failed),
         "total_input_tokens": total_in, "total_output_tokens": round(total_out),
         "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration, "steady_state": True,
-        "requests_sent": len(outcomes), "streamed_input_tokens": spread_in, "streamed_cached_tokens": spread_cached,
+        "requests_sent": len(outcomes), "streamed_input_tokens": streamed_in, "streamed_cached_tokens": streamed_cached,
     }
     result.update(_stats("ttft", [o.ttft for o in done]))
     result.update(_stats("tpot", tpots))
