@@ -130,14 +130,12 @@ def yaml_set(text: str, key: str, value: Any, where: str) -> bytes:
     parts = key.split(".")
     node = doc
     for i, part in enumerate(parts[:-1]):
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict):
-            if part not in node or node[part] is None:
-                node[part] = CommentedMap()
-            node = node[part]
-        else:
+        child = _child(node, part)
+        if (child is _ABSENT or child is None) and isinstance(node, dict):
+            child = node[part] = CommentedMap()
+        elif child is _ABSENT:
             raise StepFailed(f"yaml_set: {where}: {'.'.join(parts[:i + 1])} is not a mapping")
+        node = child
     last = parts[-1]
     if isinstance(node, list) and last.isdigit() and int(last) < len(node):
         node[int(last)] = value
@@ -157,13 +155,19 @@ def yaml_get(text: str, key: str, where: str) -> Any:
     except Exception as e:  # noqa: BLE001 - any parse error of the file fails the check
         raise StepFailed(f"yaml_has: cannot parse {where}: {e}") from None
     for part in key.split("."):
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            return _ABSENT
+        node = _child(node, part)
+        if node is _ABSENT:
+            break
     return node
+
+
+def _child(node: Any, part: str) -> Any:
+    """One part of a dotted key: a mapping's key, or a list's index in digits; _ABSENT where there is none."""
+    if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        return node[int(part)]
+    if isinstance(node, dict) and part in node:
+        return node[part]
+    return _ABSENT
 
 
 def _same(found: Any, value: Any) -> bool:
