@@ -99,9 +99,9 @@ case ${1:-} in
         setup
         if [[ -n ${STATE:-} ]]; then  # the history of the part before, from its `results`: its calibration holds
             [[ -f $STATE/orchestrator.db ]] || die "STATE=$STATE: no orchestrator.db there (a part's results/state)"
+            [[ -n ${FROM:-} ]] || die "STATE= needs FROM=, the serve config that history kept (kept-serve.yaml)"
             [[ -e $WORK/state ]] && die "$WORK/state exists: STATE= starts a fresh machine from a part's history"
             cp -r "$STATE" "$WORK/state"
-            [[ -n ${FROM:-} ]] || die "STATE= needs FROM=, the serve config that history kept (kept-serve.yaml)"
         fi
         if [[ -n ${FROM:-} ]]; then
             cp "$FROM" "$WORK/serve/serve.yaml"
