@@ -13,7 +13,9 @@ servers against the kept one (noise.offset), which the judge takes for 0: where 
 and the keep rate of a change of no effect that measures like it. Where the servers sleep
 and wake between their samples (the sleeping pairing), also how much a wake moves a server (noise.wake_spread) and
 whether woken servers may stand in for fresh ones (noise.wakes_like_fresh); the mean sleep and wake time of a
-pair is counted in its time.
+pair is counted in its time. Whatever the pairing, whether a fresh server's first sample, taken after the probe's
+warm-up, measures like its next (noise.first_window): where it does not, a warning, and its differences count for
+no wake.
 """
 from __future__ import annotations
 
@@ -28,11 +30,11 @@ import numpy as np
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.kept import KeptState
-from orchestrator.noise import (Noise, ceiling, components, offset, pairs_needed, pairs_per_start, score_terms,
-                                starts_needed, wake_spread, wakes_like_fresh)
+from orchestrator.noise import (Noise, ceiling, components, first_window, first_window_biased, offset, pairs_needed,
+                                pairs_per_start, score_terms, starts_needed, wake_spread, wakes_like_fresh)
 from orchestrator.pairing import Together, choose
 from orchestrator.policy import Policy
-from orchestrator.prober import Arm, Prober, fingerprint
+from orchestrator.prober import Arm, Prober, Sample, fingerprint
 from orchestrator.state_server import StateServer
 from orchestrator.store import loads
 
@@ -53,7 +55,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     mode = pairing.mode
     kept.arm.show = None
     blocks: list[dict[str, Any]] = []
-    samples: list[tuple[object, int, float, float]] = []  # (server, segment, time, value) of every judged sample
+    samples: list[Sample] = []  # every judged sample
     metrics: list[tuple[object, dict]] = []  # (server, metrics) of every judged sample
     for j in range(starts):
         step_id = store.new_step(run.run_id, label(j), "measuring", kind=KIND, objective=prober.objective)
@@ -69,7 +71,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                 cand.server.stop()
             prober.release()
         logs = [math.log(c.value / b.value) for b, c in zip(verdict.base, verdict.cand)]
-        samples += [(x.server, x.segment, x.at, x.value) for x in (*verdict.base, *verdict.cand)]
+        samples += [*verdict.base, *verdict.cand]
         metrics += [(x.server, x.metrics) for x in (*verdict.base, *verdict.cand)]
         blocks.append({"step": step_id, "logs": logs, "finished": time.time(), "base": [s.value for s in verdict.base],
                        "cand": [s.value for s in verdict.cand],
@@ -80,12 +82,18 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     within, between, df = measured.within, measured.between, measured.between_df
     steps = [b["step"] for b in blocks]
     start_s, pair_s = costs(store, run.run_id, steps)
+    first = first_window([(x.server, x.at, x.value, x.fresh) for x in samples], run.project.policy.confidence)
+    if first_window_biased(first):
+        run.store.event(run.run_id, "warning", f"A/A: a fresh server's first sample measured {first['mean']:+.2%} "
+                        f"[{first['low']:+.2%}, {first['high']:+.2%}] against its next ({first['servers']} servers): "
+                        "the warm-up did not warm the servers, and every decision's fresh samples carry it")
     wake = None
     if mode == "sleeping":
         switched = [seconds for server in run.sleepers for step, _, seconds in server.switches if step in steps]
         if pair_s is not None:  # a pair's switch of arm: one server sleeps, the other wakes
             pair_s += sum(switched) / (pairs * starts)
-        wake = wake_spread(samples)
+        skip = {(x.server, x.at) for x in samples if x.fresh} if first_window_biased(first) else set()
+        wake = wake_spread([(x.server, x.segment, x.at, x.value) for x in samples], skip)
     spread, p, still = wake[:3] if wake else (None, None, None)
     noise = replace(measured, start_seconds=start_s, pair_seconds=pair_s, wake=spread, wake_p=p, still=still)
     summary = judged_blocks(run, prober, blocks, kept_restarted, run.project.policy)
@@ -107,7 +115,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     summary.update(
         pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
         simulated=simulated, fresh_offset=fresh, blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks],
-        raw=noise.raw, carried=noise.carried, ceiling=ceiling(noise), terms=score_terms(metrics))
+        raw=noise.raw, carried=noise.carried, ceiling=ceiling(noise), terms=score_terms(metrics), first_window=first)
     if mode == "sleeping":
         summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "still": noise.still,
                            "like_fresh": wakes_like_fresh(noise), "same": wake[3] if wake else 0,

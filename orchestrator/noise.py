@@ -16,7 +16,8 @@ from candidate to candidate), a wake may move a server's level too. Its spread (
 calibration's samples: consecutive samples of one server with a sleep between them against consecutive ones
 without (`wake_spread`). A wake that moves a server about as much as a fresh start would is no cheaper than a
 restart and breaks the judge's model of one start effect per server: `wakes_like_fresh` says whether the run may
-sleep.
+sleep. A fresh server's first sample comes after the probe's warm-up; `first_window` checks it against the
+server's next, since a warm-up that falls short biases every fresh sample (and, across a wake, the wake test).
 
 A calibration has few blocks (three starts give 2 degrees of freedom), and the state it measured may be noisier or
 quieter than the states judged after it. Every decision that took two or more blocks of fresh servers measures the
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Hashable, Sequence
+from typing import Collection, Hashable, Sequence
 
 import numpy as np
 
@@ -206,7 +207,40 @@ def pairs_needed(noise: Noise, bar: float, z: float = 1.96) -> int | None:
 WAKE_ALPHA = 0.05  # a wake's effect counts as shown below this p
 
 
-def wake_spread(samples: Sequence[tuple[object, int, float, float]]
+def first_window(samples: Sequence[tuple[object, float, float, bool]], confidence: float = 0.95
+                 ) -> dict[str, float] | None:
+    """A fresh server's first sample against its next, from samples (server, time, value, fresh): `fresh` marks
+    a server's first sample after its start, which the serving probe took after a warm-up (probes/serving.py:
+    settle). The warm-up is there to make this 0; where it is not, the first sample of every fresh server is biased
+    (on one H100 after a fixed 3-s warm-up: 18.5% slow), which the judge would take for a start effect, and every
+    difference from it for a wake's. Returns the mean ratio - 1 with its t interval (`low`, `high`) and the
+    servers counted, or None with fewer than two servers sampled twice."""
+    from scipy.stats import t as student
+
+    by_server: dict[object, list[tuple[float, float, bool]]] = {}
+    for server, at, value, fresh in samples:
+        if value and value > 0:
+            by_server.setdefault(server, []).append((at, value, fresh))
+    logs = []
+    for seq in by_server.values():
+        seq.sort()
+        if len(seq) >= 2 and seq[0][2]:
+            logs.append(math.log(seq[0][1] / seq[1][1]))
+    if len(logs) < 2:
+        return None
+    mean, se = float(np.mean(logs)), float(np.std(logs, ddof=1)) / math.sqrt(len(logs))
+    half = float(student.ppf(0.5 + confidence / 2, len(logs) - 1)) * se
+    return {"mean": math.expm1(mean), "low": math.expm1(mean - half), "high": math.expm1(mean + half),
+            "servers": len(logs)}
+
+
+def first_window_biased(first: dict[str, float] | None) -> bool:
+    """Whether a fresh server's first sample was shown to differ from its next (`first_window`'s interval
+    excludes 0)."""
+    return first is not None and (first["low"] > 0 or first["high"] < 0)
+
+
+def wake_spread(samples: Sequence[tuple[object, int, float, float]], skip: Collection[tuple[object, float]] = ()
                 ) -> tuple[float, float, float, int, int] | None:
     """(wake, p, still, same, woken) from samples (server, segment, time, value): `segment` counts the server's
     wakes before the sample. Consecutive samples of one server within a segment differ by sample noise alone
@@ -217,7 +251,9 @@ def wake_spread(samples: Sequence[tuple[object, int, float, float]]
     slow sample (a hiccup of the machine) moves the one or two differences it falls in. `p` is the one-sided
     Mann-Whitney p that the squared differences across a wake are the larger. By an F test of the mean squares,
     one slow sample among a calibration's sixteen, falling across a wake, showed a "wake" on a server whose wakes
-    changed nothing. None with fewer than two differences of either kind."""
+    changed nothing. A difference from a sample in `skip` (server, time) counts as neither: a fresh server's first
+    sample where `first_window_biased`, whose difference to the next is the warm-up's failing, not a wake's. None
+    with fewer than two differences of either kind."""
     from scipy.stats import mannwhitneyu
 
     by_server: dict[object, list[tuple[float, int, float]]] = {}
@@ -226,10 +262,11 @@ def wake_spread(samples: Sequence[tuple[object, int, float, float]]
             by_server.setdefault(server, []).append((at, segment, value))
     same: list[float] = []
     woken: list[float] = []
-    for seq in by_server.values():
+    for server, seq in by_server.items():
         seq.sort()
-        for (_, s0, v0), (_, s1, v1) in zip(seq, seq[1:]):
-            (same if s0 == s1 else woken).append(math.log(v1 / v0) ** 2)
+        for (t0, s0, v0), (_, s1, v1) in zip(seq, seq[1:]):
+            if (server, t0) not in skip:
+                (same if s0 == s1 else woken).append(math.log(v1 / v0) ** 2)
     if len(same) < 2 or len(woken) < 2:
         return None
     p = float(mannwhitneyu(woken, same, alternative="greater").pvalue)

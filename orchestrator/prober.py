@@ -55,6 +55,7 @@ class Sample:
     server: int | None = None  # the live server that served it (its processes row), or None
     segment: int = 0  # the times that server had been woken before it (a sleeping pairing's servers)
     at: float = 0.0  # when it ended (seconds since the epoch)
+    fresh: bool = False  # the first sample of a server just started (taken after a warm-up: WARMUP_ENV)
 
 
 @dataclass(eq=False)
@@ -246,7 +247,7 @@ class Prober:
                 value, served = out.value, out.server
         if server.up:
             server.samples += 1
-        return Sample(value, metrics, served, server.wakes, time.time())
+        return Sample(value, metrics, served, server.wakes, time.time(), bool(fresh))
 
     def in_turns(self, server: StateServer) -> bool:
         """Whether the server's samples are windows of one fill (orchestrator/turns.py): it fills once, and its
@@ -300,7 +301,7 @@ class Prober:
         if not out.ok:
             raise ArmFailed(out.reason or "probe_failed", f"{label} arm, probe {spec.name}: {failure(out)}", spec, out)
         server.samples += 1
-        return Sample(out.value, out.metrics, out.server, server.wakes, time.time())
+        return Sample(out.value, out.metrics, out.server, server.wakes, time.time(), server.samples == 1)
 
     def woken(self, step_id: int | None, arm: Arm, label: str, repeat: int, plugin: str, server: StateServer) -> None:
         """The arm's live server awake (every other asleep, where the run pairs by sleeping), and the correctness

@@ -21,7 +21,8 @@ from matplotlib.figure import Figure
 
 from orchestrator import fingerprint as fp
 from orchestrator.fingerprint import environment
-from orchestrator.status import offset_line, pooled_line, screening_line, screening_of, terms_line, wake_line
+from orchestrator.status import (first_window_line, offset_line, pooled_line, screening_line, screening_of, terms_line,
+                                 wake_line)
 from orchestrator.store import Reader, label, loads
 
 
@@ -237,6 +238,8 @@ def markdown(run: dict, baseline: dict[str, list[float]], stages: list[Stage], o
         if (line := offset_line(summary.get("fresh_offset"))) is not None:
             out.append(f"- {line}")
         if (line := pooled_line([s.decision for s in stages], c["between_df"])) is not None:
+            out.append(f"- {line}")
+        if (line := first_window_line(summary.get("first_window"))) is not None:
             out.append(f"- {line}")
         if wake := summary.get("wake"):
             out.append(f"- {wake_line(wake).strip()}")

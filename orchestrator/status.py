@@ -157,6 +157,8 @@ def calibration_lines(data: dict[str, Any]) -> list[str]:
     decisions = [s.get("decision") for s in [*(data.get("steps") or []), data.get("final") or {}]]
     if (line := pooled_line(decisions, c.get("between_df"))) is not None:
         lines.append(f"  {line}")
+    if (line := first_window_line(c.get("first_window"))) is not None:
+        lines.append(f"  {line}")
     if wake := c.get("wake"):
         lines.append(wake_line(wake))
     if (line := terms_line(c.get("terms"))) is not None:
@@ -197,6 +199,17 @@ def offset_line(fresh: dict[str, Any] | None) -> str | None:
     if fresh.get("keep_rate") is None:
         return line + ", consistent with no offset"
     return line + f"; a change of no effect with that offset is kept in {fresh['keep_rate']:.0%} of simulated decisions"
+
+
+def first_window_line(first: dict[str, Any] | None) -> str | None:
+    """What a fresh server's first sample measured against its next (noise.first_window)."""
+    if not first:
+        return None
+    line = (f"a fresh server's first sample against its next: {first['mean']:+.2%} [{first['low']:+.2%}, "
+            f"{first['high']:+.2%}] ({first['servers']} servers)")
+    if first["low"] > 0 or first["high"] < 0:
+        return line + ": the warm-up did NOT warm them; differences from a first sample count for no wake"
+    return line + ", consistent with a warm server"
 
 
 def wake_line(wake: dict[str, Any]) -> str:

@@ -282,13 +282,11 @@ def cpu_times():
         return None
 
 
-async def watch_window(base_url: str, end: float, cpu_clock: Callable[[], float | None] = lambda: None,
-                       counted: bool = True) -> Watched:
-    """Waits until ``end`` (perf_counter), reading the server's counters (where ``counted``) and ``cpu_clock``
-    now and then."""
+async def watch_window(base_url: str, end: float, cpu_clock: Callable[[], float | None] = lambda: None) -> Watched:
+    """Waits until ``end`` (perf_counter), reading the server's counters and ``cpu_clock`` now and then."""
     cpu_start = cpu_clock()
     host_start, began = cpu_times(), time.perf_counter()
-    before = await server_tokens(base_url) if counted else None
+    before = await server_tokens(base_url)
     before = await at_step_end(base_url, before, end)
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
     cpu_end = cpu_clock()
@@ -329,8 +327,8 @@ class SteadyWindow:
 
 
 async def drive_steady(base_url: str, model: str, workload: Workload, request_timeout: float,
-                       cpu_clock: Callable[[], float | None] = lambda: None, start_at: float | None = None,
-                       counted: bool = True) -> SteadyWindow:
+                       cpu_clock: Callable[[], float | None] = lambda: None,
+                       start_at: float | None = None) -> SteadyWindow:
     """Keeps ``max_concurrency`` requests of the workload's stream in flight (``steady_load``): first the fill
     (``Workload.fill``), then ``ramp`` seconds, then the measured ``duration``, after which those still running
     are cancelled."""
@@ -342,7 +340,7 @@ async def drive_steady(base_url: str, model: str, workload: Workload, request_ti
         window_start = time.perf_counter() + workload.ramp
         window_end = window_start + workload.duration
         await asyncio.sleep(workload.ramp)
-        watched = await watch_window(base_url, window_end, cpu_clock, counted)
+        watched = await watch_window(base_url, window_end, cpu_clock)
     return SteadyWindow(load.outcomes, load.begin, window_start, window_end, filled, fill_ended, watched)
 
 

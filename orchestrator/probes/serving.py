@@ -26,7 +26,7 @@ from typing import Awaitable, Callable
 import httpx
 from pydantic import ValidationError
 
-from orchestrator.probes.client import (ProbeError, drive, drive_steady, prefilled, prefix_cache_hits, served_model,
+from orchestrator.probes.client import (Outcome, ProbeError, drive, drive_steady, prefilled, prefix_cache_hits, served_model,
                                         set_paused, steady_load, wait_for_fill, watch_window)
 from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, engine_server_argv,
                                              group_cpu_seconds, on_sigterm, server_label, wait_healthy)
@@ -37,7 +37,14 @@ from orchestrator.probes.workload import Workload
 WINDOW_STRIDE = 7919  # seed offset of each further measured window
 
 WARMUP_OFFSET = 1_000_003  # seed offset of the warm-up batch
-WARM_SECONDS = 3.0  # of a steady stream's steps, run before any window of it
+# A steady stream's warm-up (``settle``) reads its output rate over steps of WARM_SECONDS and ends at the first step
+# whose rate rose less than WARM_RISE over the step before, once it has run a window's length (and two steps); after
+# WARM_LIMIT seconds it ends whatever the rates. On one H100 at 128 sequences, the first 10-s window on a fresh
+# vLLM server after a fixed 3-s warm-up measured 18.5% below the later ones (9 fresh servers against 11 later
+# windows): the server kept getting faster well past its first seconds of load.
+WARM_SECONDS = 3.0
+WARM_RISE = 0.05
+WARM_LIMIT = 60.0
 
 # Seed offset of each pair (--pair, $ORCHESTRATOR_PAIR): larger than every offset within one probe, so no
 # two pairs share a prompt. Both samples of a pair send the same prompts; a server reused for the next
@@ -174,27 +181,53 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     return engine_server_argv(config)
 
 
-async def warm_up(base_url: str, model: str, workload: Workload, request_timeout: float) -> float:
-    """One concurrent batch as wide as the workload's, of its own prompt and output lengths but other
-    prompts (their prefixes do not prime the measured ones): the lengths decide which kernels run (a
-    chunked prefill's remainder, the long-decode path past its threshold) and Triton compiles each at
-    first use, which must happen here, not in the window. With 1,024-token warm-up prompts, samples
-    of one config on an H200 (8 x 8,400-token prompts) spread from 23k to 37k. Returns its wall time."""
-    if workload.steady:  # a few seconds of the stream itself: a whole batch could take minutes at one sequence
-        warm = workload.model_copy(update=dict(duration=max(WARM_SECONDS, workload.ramp), ramp=0.0,
-                                               seed=workload.seed + WARMUP_OFFSET))
-        began = time.perf_counter()
-        outcomes = (await drive_steady(base_url, model, warm, request_timeout, counted=False)).outcomes
-        if not any(o.token_times for o in outcomes):
-            raise ProbeError(f"the warm-up streamed no token: {sorted({o.error for o in outcomes if o.error})[:3]}")
-        return time.perf_counter() - began
+def output_rate(outcomes: list[Outcome], start: float, end: float) -> float:
+    """Chunks streamed per second between ``start`` and ``end`` (perf_counter)."""
+    return sum(start <= t < end for o in outcomes for t in o.token_times) / (end - start)
+
+
+async def settle(outcomes: list[Outcome], least: float) -> dict:
+    """Waits while a running stream (`outcomes`, as they are sent) warms the server: steps of WARM_SECONDS until
+    ``least`` seconds have passed and the last step's output rate rose less than WARM_RISE over the one before,
+    or WARM_LIMIT seconds. A server that is still compiling, allocating or filling a cache gets faster step by
+    step; one that is warm measures the same twice. Returns the warm-up's seconds, each step's rate, and whether
+    it settled (a warm-up cut at its limit says so: its windows may still be measuring a server that warms)."""
+    began = mark = time.perf_counter()
+    rates: list[float] = []
+    while True:
+        await asyncio.sleep(WARM_SECONDS)
+        now = time.perf_counter()
+        rates.append(output_rate(outcomes, mark, now))
+        mark = now
+        settled = len(rates) >= 2 and rates[-1] <= rates[-2] * (1 + WARM_RISE)
+        if (settled and now - began >= least) or now - began >= WARM_LIMIT:
+            return {"warmup_seconds": now - began, "warmup_rates": [round(r, 1) for r in rates],
+                    "warmup_settled": settled}
+
+
+async def warm_up(base_url: str, model: str, workload: Workload, request_timeout: float) -> dict:
+    """Runs the workload's shape on other prompts (their prefixes do not prime the measured ones) before a window:
+    the lengths decide which kernels run (a chunked prefill's remainder, the long-decode path past its threshold)
+    and Triton compiles each at first use, which must happen here, not in the window. A steady workload runs its
+    stream until the server settles (``settle``: at least a window's length); a batch workload runs one batch as
+    wide as its own (with 1,024-token warm-up prompts, samples of one config on an H200, 8 x 8,400-token prompts,
+    spread from 23k to 37k). Returns ``warmup_seconds`` (and a steady warm-up's rates)."""
+    if workload.steady:
+        warm = workload.model_copy(update=dict(seed=workload.seed + WARMUP_OFFSET))
+        async with steady_load(base_url, model, warm, request_timeout) as load:
+            await wait_for_fill(load.wave, load.outcomes, warm.fill_limit)
+            found = await settle(load.outcomes, max(workload.duration, WARM_SECONDS))
+        if not any(o.token_times for o in load.outcomes):
+            raise ProbeError("the warm-up streamed no token: "
+                             f"{sorted({o.error for o in load.outcomes if o.error})[:3]}")
+        return found
     batch = min(workload.num_prompts, workload.concurrency)
     warm = workload.model_copy(update=dict(num_prompts=batch, request_rate=math.inf,
                                            seed=workload.seed + WARMUP_OFFSET))
     outcomes, duration, _ = await drive(base_url, model, warm, request_timeout)
     if not any(o.success for o in outcomes):
         raise ProbeError(f"every warm-up request failed: {sorted({o.error for o in outcomes})[:3]}")
-    return duration
+    return {"warmup_seconds": duration}
 
 
 async def measure_window(base_url: str, model: str, workload: Workload, args: argparse.Namespace,
@@ -288,7 +321,7 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
     ready = server.age() if server is not None else None
     model, workload = await pair_workload(base_url, args)
     seed = workload.seed
-    warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else None
+    warmup = await warm_up(base_url, model, workload, args.request_timeout) if args.warmup else {}
     windows = []
     for i in range(args.windows):
         windows.append(await measure_window(base_url, model,
@@ -304,8 +337,7 @@ async def benchmark(base_url: str, args: argparse.Namespace, server: LiveServer 
                   "windows": [{k: w[k] for k in WINDOW_FIELDS if k in w} for w in windows]}
     if ready is not None:
         result["server_ready_seconds"] = ready
-    if warmup is not None:
-        result["warmup_seconds"] = warmup
+    result.update(warmup)
     if server is not None and (code := server.exited()) is not None:
         result["server_exit_code"] = code
     return result
@@ -329,9 +361,7 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
             fill = {"fill_seconds": time.perf_counter() - load.begin, "fill_prefilled": sum(map(prefilled, load.wave)),
                     "fill_ended": fill_ended, "fill_server_cpus": server_cpus(args.server_pid)}
             if args.warmup:
-                began = time.perf_counter()
-                await asyncio.sleep(max(WARM_SECONDS, workload.ramp))
-                fill["warmup_seconds"] = time.perf_counter() - began
+                fill.update(await settle(load.outcomes, max(workload.duration, WARM_SECONDS)))
             await set_paused(load.client, base_url, True)
             paused = True
             emit({"filled": True, **fill})

@@ -101,15 +101,18 @@ def test_calibration_separates_the_spread_within_a_start_from_the_spread_between
 def test_calibration_shows_fresh_servers_running_ahead_of_a_long_lived_one(tmp_path):
     """Each of the first four samples a server serves slows it by 2%: the kept state's server, which serves every
     block, settles 8% slower, while a fresh candidate server of an A/A block is 1% slower over its two samples: an
-    offset of about +7% that the judge would take for a gain."""
+    offset of about +7% that the judge would take for a gain. A fresh server's first sample is faster than its
+    next, shown too: no warm-up undoes a server's aging."""
     root = project(tmp_path, {}, {"min_gain": 0.02, "max_pairs": 4})
     out = cli(root, "calibrate", "--starts", "6", "--pairs", "2", spread=0.002, aging=0.02).stdout
     summary = json.loads(rows(root, "SELECT summary FROM calibrations")[0]["summary"])
     fresh = summary["fresh_offset"]
     assert 0.03 < fresh["low"] < fresh["mean"] < 0.10, fresh
     assert fresh["keep_rate"] > 0.5 > summary["simulated"]["keep_rate_counting"], summary
-    [warning] = rows(root, "SELECT message FROM events WHERE kind = 'warning'")
-    assert "fresh servers of the state measured +" in warning["message"] and "judge takes for 0" in warning["message"]
+    first, offset = [w["message"] for w in rows(root, "SELECT message FROM events WHERE kind = 'warning' ORDER BY id")]
+    assert "fresh servers of the state measured +" in offset and "judge takes for 0" in offset
+    assert "a fresh server's first sample measured +" in first and "(6 servers)" in first, first
+    assert 0 < summary["first_window"]["low"] < summary["first_window"]["mean"] < 0.05, summary
     assert "fresh servers against the kept one: +" in out and "a change of no effect with that offset is kept" in out
     cli(root, "report", "--out", "report")
     assert "- fresh servers against the kept one: +" in next((root / "report").glob("*.md")).read_text()

@@ -5,10 +5,13 @@ token budget, and takes ``base + per_decode * decodes + per_prefill * prompt tok
 with its batch, as a GPU engine's does. A sequence's last prompt chunk gives its first token, as vLLM's does.
 
     python batch_model.py --port P [--base S --per-decode S --per-prefill S --budget N --max-seqs N]
+                                   [--cold-seconds S --cold-factor F]
 
 serves it over HTTP as the engine server does (streaming /v1/completions, /health, /v1/models, /metrics with
-the engine's token and step counters), sleeping each step's time. ``steady_rates`` runs the same steps in virtual time
-with every slot busy for as long as it takes to forget the start: the truth a window should find.
+the engine's token and step counters), sleeping each step's time (on a fresh server, up to ``cold_factor`` times
+it while it has been busy less than ``cold_seconds``, as a GPU server that still compiles and allocates).
+``steady_rates`` runs the same steps in virtual time with every slot busy for as long as it takes to forget the
+start: the truth a window should find.
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ class Costs:
     per_prefill: float = 0.0002
     budget: int = 2048  # tokens per step
     max_seqs: int = 1 << 20  # sequences run at once; the rest wait in arrival order
+    cold_seconds: float = 0.0  # a fresh server's steps take up to cold_factor times as long until it has been busy
+    cold_factor: float = 1.0  # this long, the factor falling to 1 as it goes (kernels compiled as they are met)
 
     def step(self, running: list[Seq]) -> tuple[float, int, int]:
         """Advance every running sequence by one step; (its seconds, prompt tokens, generated tokens)."""
@@ -109,6 +114,8 @@ def serve(costs: Costs, port: int) -> None:
                 await wake.wait()
             batch = running[:costs.max_seqs]
             seconds, p, g = costs.step(batch)
+            if counts["step_seconds"] < costs.cold_seconds:  # still warming: compiling, allocating
+                seconds *= 1 + (costs.cold_factor - 1) * (1 - counts["step_seconds"] / costs.cold_seconds)
             await asyncio.sleep(seconds)
             counts["prefill"] += p
             counts["generated"] += g

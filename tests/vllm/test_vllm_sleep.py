@@ -120,6 +120,8 @@ def test_sleeping_servers_keep_a_real_gain_and_not_the_no_ops(tmp_path, vllm_pin
     calibration = status["calibration"]
     assert calibration["pairing"] == "sleeping" and calibration["wake"]["like_fresh"], calibration
     assert calibration["wake"]["woken"] >= 2 and calibration["wake"]["same"] >= 2
+    # each block's fresh candidate: its first sample, after the probe's warm-up, against its next
+    assert calibration["first_window"]["servers"] >= 3, calibration
     # the real gain kept, at most one of the ten no-ops, each decision with an interval counting the start effects
     # the calibration found. The stand-in's ±10% per start is about its timing noise on a busy machine, so 4 blocks
     # of 2 pairs put the estimate of the spread between starts at 0 in a quarter to a third of runs (method of
