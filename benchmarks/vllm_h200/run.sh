@@ -10,7 +10,9 @@
 #   bash benchmarks/vllm_h200/run.sh stage PART [run options]  # starts `orchestrator run --only` a part, detached
 #   bash benchmarks/vllm_h200/run.sh status                     # poll: the status table, the log's tail
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
-#   bash benchmarks/vllm_h200/run.sh results                    # status --json, report, figures into $OUT
+#   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history) and
+#                                                               # jit-cache.tgz into $OUT
+#   bash benchmarks/vllm_h200/run.sh unpack NAME FILES_AT       # here: into results/NAME, the cache into .cache/jit
 #
 # A part (PARTS below) fits about 20 minutes of the H200 (orchestrator.yaml gives the cost split); each starts
 # from the serve config the part before kept: FROM=kept-serve.yaml (a part's `results`) to continue from one. The
@@ -24,7 +26,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 TREE=$(cd "$HERE/../.." && pwd)
 PROJ=/tmp/proj          # the copy detached jobs run from
 SITE=/tmp/site          # vLLM 0.34.0 and what it needs (serve.sh unpacks it); the orchestrator's wheels join it
-WORK=/tmp/h200-run      # serve config, state, logs (paths in orchestrator.yaml)
+WORK=${H200_WORK:-/tmp/h200-run}  # serve config, state, logs (paths in orchestrator.yaml; another only for tests)
 CONFIG=$PROJ/benchmarks/vllm_h200/orchestrator.yaml
 
 # The plugins that can change what this model serves at 128 requests in flight, three or four variants a part.
@@ -41,12 +43,30 @@ declare -A PARTS=(
 
 # The payload (../shared/vllm-h200/build_payload.sh) in parts small enough that one travels per call beside the
 # project's tree (a call carries 64 MiB in all): carry .cache/vllm-payload/pN with `receive N`, and .whl with the last.
-PAYLOAD=$TREE/.cache/vllm-payload
+PAYLOAD=${H200_PAYLOAD:-$TREE/.cache/vllm-payload}
+JIT=${H200_JIT:-$TREE/.cache/jit}  # the JIT cache a `results` brought back (carry it with `receive`)
+RESULTS=${H200_RESULTS:-$HERE/results}
+STAGE=${H200_STAGE:-/tmp/stage}  # where the parts gather
 PAYLOAD_XZ=${PAYLOAD_XZ:-/tmp/vllm-h200/site312_slim.tar.xz}
 PAYLOAD_PARTS=4
 
 source "$TREE/benchmarks/vllm_machine.sh"
 orch() { python3 -m orchestrator.cli "$@" --config "$CONFIG"; }
+
+# FlashInfer's JIT-compiled kernels (the first server start builds its norm kernel: 2-3 minutes of a 30-minute
+# lease) and Triton's cache where both fit 12 MiB (a call carries 64 MiB: a payload part, the tree and this);
+# `receive` restores them
+jit_cache() {
+    local dirs=() d
+    for d in .cache/flashinfer .triton/cache; do [[ -d $HOME/$d ]] && dirs+=("$d"); done
+    ((${#dirs[@]})) || return 0
+    du -sh "${dirs[@]/#/$HOME/}"
+    tar -czf "$1" -C "$HOME" "${dirs[@]}"
+    if (($(stat -c %s "$1") > 12 * 1024 * 1024)) && [[ -d $HOME/.cache/flashinfer ]]; then
+        tar -czf "$1" -C "$HOME" .cache/flashinfer  # Triton's does not fit beside it
+    fi
+    (($(stat -c %s "$1") <= 12 * 1024 * 1024)) || { echo "JIT cache over 12 MiB: not brought back"; rm -f "$1"; }
+}
 
 setup() {
     [[ -f $SITE/vllm/engine/arg_utils.py ]] || die "no vLLM in $SITE: run ../shared/vllm-h200/serve.sh first"
@@ -80,15 +100,18 @@ case ${1:-} in
     receive)
         i=${2:-}
         [[ -f $PAYLOAD/p$i/part_$i ]] || die "receive N: carry .cache/vllm-payload/pN with this call"
-        mkdir -p /tmp/stage && cp "$PAYLOAD/p$i/part_$i" /tmp/stage/
+        mkdir -p "$STAGE" && cp "$PAYLOAD/p$i/part_$i" "$STAGE/"
+        if [[ -f $JIT/jit-cache.tgz && ! -d $HOME/.cache/flashinfer ]]; then  # carried: no first-start compile
+            tar -xzf "$JIT/jit-cache.tgz" -C "$HOME" && echo "JIT cache restored into $HOME: $(tar -tzf "$JIT/jit-cache.tgz" | wc -l) entries"
+        fi
         if [[ -f $PAYLOAD/p$i/SHA256SUMS ]]; then  # the last part: check them all, unpack, write the model folder
-            (cd /tmp/stage && sha256sum -c "$PAYLOAD/p$i/SHA256SUMS") || die "a part is missing or damaged in /tmp/stage"
+            (cd "$STAGE" && sha256sum -c "$PAYLOAD/p$i/SHA256SUMS") || die "a part is missing or damaged in $STAGE"
             mkdir -p "$SITE"
-            cat $(ls /tmp/stage/part_* | sort -V) | xz -d -T0 | tar -x -C "$SITE"
+            cat $(ls "$STAGE"/part_* | sort -V) | xz -d -T0 | tar -x -C "$SITE"
             python3 "$PAYLOAD/p$i/mkmodel.py" /tmp/qwen36
             [[ -n ${LAYERS:-} ]] && python3 "$HERE/layers.py" /tmp/qwen36 "$LAYERS"
         fi
-        ls -la /tmp/stage
+        ls -la "$STAGE"
         nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
         ;;
     stage)
@@ -135,24 +158,41 @@ case ${1:-} in
         echo "comparison started (pid $(cat "$WORK/compare.pid")), log $WORK/compare.log"
         ;;
     results)
+        # what comes back from the machine: results.tgz (status, report, logs, kept serve.yaml, the history) and
+        # jit-cache.tgz (the kernels the first server start compiled); $OUT returns at most 8 files, 16 MiB each
         out=${OUT:-$WORK/results}
-        mkdir -p "$out"
-        orch status --json > "$out/status.json" || true
-        orch status > "$out/status.txt" 2>&1 || true
-        orch report --out "$out/report" > /dev/null 2>&1 || true
-        cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$out/" 2>/dev/null || true
-        cp "$WORK/serve/serve.yaml" "$out/kept-serve.yaml" 2>/dev/null || true
+        pack=$WORK/pack
+        rm -rf "$pack" && mkdir -p "$pack" "$out"
+        orch status --json > "$pack/status.json" || true
+        orch status > "$pack/status.txt" 2>&1 || true
+        orch report --out "$pack/report" > /dev/null 2>&1 || true
+        cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$pack/" 2>/dev/null || true
+        cp "$WORK/serve/serve.yaml" "$pack/kept-serve.yaml" 2>/dev/null || true
         # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
         # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
         if [[ -f $WORK/state/orchestrator.db ]]; then
-            mkdir -p "$out/state"
+            mkdir -p "$pack/state"
             python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
-                "$WORK/state/orchestrator.db" "$out/state/orchestrator.db" || true
-            cp -r "$WORK/state/blobs" "$WORK/state/intents.jsonl" "$out/state/" 2>/dev/null || true  # not the lock
+                "$WORK/state/orchestrator.db" "$pack/state/orchestrator.db" || true
+            cp -r "$WORK/state/blobs" "$WORK/state/intents.jsonl" "$pack/state/" 2>/dev/null || true  # not the lock
         fi
-        cp /tmp/qwen36/config.json "$out/model-config.json" 2>/dev/null || true
-        cat "$out/status.txt" "$out/kept-serve.yaml" 2>/dev/null || true
+        cp /tmp/qwen36/config.json "$pack/model-config.json" 2>/dev/null || true
+        tar -czf "$out/results.tgz" -C "$pack" .
+        jit_cache "$out/jit-cache.tgz"
+        ls -la "$out"
+        cat "$pack/status.txt" "$pack/kept-serve.yaml" 2>/dev/null || true
         cat "$WORK/compare.md" 2>/dev/null || true
+        ;;
+    unpack)
+        # here, after `results`: its files (the run tool's files_at) into results/NAME, the JIT cache into .cache/jit
+        name=${2:-}; from=${3:-}
+        [[ -n $name && -f $from/results.tgz ]] || die "unpack NAME FILES_AT: FILES_AT holds results.tgz from 'results'"
+        dest=$RESULTS/$name
+        [[ -e $dest ]] && die "$dest exists"
+        mkdir -p "$dest" && tar -xzf "$from/results.tgz" -C "$dest" && chmod -R u+w "$dest"
+        [[ -d $dest/report ]] && for f in "$dest"/report/run-*; do mv "$f" "$dest/report.${f##*.}"; done && rmdir "$dest/report"
+        if [[ -f $from/jit-cache.tgz ]]; then mkdir -p "$JIT" && cp "$from/jit-cache.tgz" "$JIT/"; fi
+        ls -la "$dest" "$JIT" 2>/dev/null || true
         ;;
     *)
         sed -n '2,17p' "$0"

@@ -1,0 +1,86 @@
+"""benchmarks/vllm_h200/run.sh's round trip of a run's files: `results` packs them on the GPU machine into the
+few files a call brings back, `unpack` lays them out here, and `receive` restores the JIT cache on the next
+machine so that its first server start compiles nothing."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "vllm_h200" / "run.sh"
+
+
+def script(*args: str, tmp: Path, **env: str) -> subprocess.CompletedProcess:
+    bin_ = tmp / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 0 MiB, 81559 MiB'\n")
+    (bin_ / "nvidia-smi").chmod(0o755)
+    full = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "H200_WORK": str(tmp / "work"),
+            "H200_RESULTS": str(tmp / "results"), "H200_JIT": str(tmp / "jit"), "H200_STAGE": str(tmp / "stage"),
+            **env}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=120)
+
+
+def a_run(tmp: Path) -> sqlite3.Connection:
+    """A machine after a run: its history in WAL mode with rows not yet checkpointed into the file, its log, the
+    kept serve config, and the kernels its first server start compiled."""
+    work = tmp / "work"
+    (work / "state" / "blobs").mkdir(parents=True)
+    (work / "serve").mkdir()
+    (work / "run.log").write_text("live server: started\n")
+    (work / "serve" / "serve.yaml").write_text("max-num-seqs: 256\n")
+    (work / "state" / "blobs" / "ab12").write_bytes(b"an image")
+    db = sqlite3.connect(work / "state" / "orchestrator.db")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    db.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, value REAL)")
+    db.executemany("INSERT INTO measurements (value) VALUES (?)", [(99191.0,), (148617.0,)])
+    db.commit()
+    ops = tmp / "home" / ".cache" / "flashinfer" / "0.7.4" / "90a" / "cached_ops" / "norm"
+    ops.mkdir(parents=True)
+    (ops / "norm.so").write_bytes(os.urandom(4096))
+    return db  # open: the rows stay in the WAL
+
+
+def test_results_come_back_in_two_files_and_unpack_here_with_the_history_whole(tmp_path):
+    db = a_run(tmp_path)
+    out = tmp_path / "out"
+    done = script("results", tmp=tmp_path, OUT=str(out), HOME=str(tmp_path / "home"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["jit-cache.tgz", "results.tgz"], done.stdout
+    db.close()
+
+    done = script("unpack", "part2", str(out), tmp=tmp_path)
+    assert done.returncode == 0, done.stderr
+    dest = tmp_path / "results" / "part2"
+    rows = sqlite3.connect(dest / "state" / "orchestrator.db").execute("SELECT value FROM measurements").fetchall()
+    assert rows == [(99191.0,), (148617.0,)]  # the WAL's rows too, through SQLite's backup
+    assert (dest / "run.log").read_text() == "live server: started\n"
+    assert (dest / "kept-serve.yaml").read_text() == "max-num-seqs: 256\n"
+    assert (dest / "state" / "blobs" / "ab12").read_bytes() == b"an image"
+    assert (tmp_path / "jit" / "jit-cache.tgz").read_bytes() == (out / "jit-cache.tgz").read_bytes()
+    # a second unpack under the same name changes nothing
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    again = script("unpack", "part2", str(out), tmp=tmp_path)
+    assert again.returncode == 2 and "exists" in again.stderr
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+
+
+def test_the_next_machine_gets_the_compiled_kernels_back(tmp_path):
+    a_run(tmp_path).close()
+    out = tmp_path / "out"
+    assert script("results", tmp=tmp_path, OUT=str(out), HOME=str(tmp_path / "home")).returncode == 0
+    assert script("unpack", "part2", str(out), tmp=tmp_path).returncode == 0
+    payload = tmp_path / "payload"
+    (payload / "p0").mkdir(parents=True)
+    (payload / "p0" / "part_0").write_bytes(b"the first part")
+    fresh = tmp_path / "fresh-home"
+    fresh.mkdir()
+    done = script("receive", "0", tmp=tmp_path, HOME=str(fresh), H200_PAYLOAD=str(payload))
+    assert done.returncode == 0, done.stderr
+    so = "0.7.4/90a/cached_ops/norm/norm.so"
+    assert (fresh / ".cache" / "flashinfer" / so).read_bytes() == \
+        (tmp_path / "home" / ".cache" / "flashinfer" / so).read_bytes()
+    assert "JIT cache restored" in done.stdout
