@@ -14,21 +14,11 @@ from orchestrator.config import ProbeSpec
 from orchestrator.context import RunContext
 from orchestrator.plugin import NUMERICS_ENV, Plugin, numerics_env
 from orchestrator.probes.runner import ProbeResult, ProcessResult, confine, judge_output, run_process
+# the serving probe's protocol (its pair index, a simultaneous pair's start, a fresh server's warm-up), owned there
+from orchestrator.probes.serving import PAIR_ENV, START_AT_ENV, WARMUP_ENV
 from orchestrator.state_server import ServerFailed, StateServer, hush
 from orchestrator.store import dumps
 from orchestrator.turns import Turns
-
-# A throughput sample's pair index (its `repeat`), for probes: the serving probe offsets its workload's seed by
-# it, so both samples of a pair send the same prompts and no two pairs do. A server that serves the last sample
-# of one pair and the first of the next (A B, B A) thus never finds the earlier sample's prompts in its prefix
-# cache, which would make the later sample faster than its partner on a fresh server.
-PAIR_ENV = "ORCHESTRATOR_PAIR"
-# Both samples of a simultaneous pair begin their measured window at one instant (seconds since the epoch).
-START_AT_ENV = "ORCHESTRATOR_START_AT"
-# The first sample on a fresh live server warms it up first (the serving probe's warm-up batch), outside its
-# window: per-shape compilation and first-use allocations would otherwise fall in the first sample only.
-WARMUP_ENV = "ORCHESTRATOR_WARMUP"
-
 
 class BaselineFailed(Exception):
     """The run's baseline cannot be measured: nothing can be judged against it."""

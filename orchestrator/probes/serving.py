@@ -51,6 +51,9 @@ WARM_LIMIT = 60.0
 # pair's sample (the staging loop's A B, B A order) finds none of them in its prefix cache.
 PAIR_STRIDE = 10_000_019
 
+# A throughput sample's pair index (the staging loop's `repeat`): the workload's seed is offset by it, so both
+# samples of a pair send the same prompts and no two pairs do; a server that serves the last sample of one pair
+# and the first of the next (A B, B A) never finds the earlier sample's prompts in its prefix cache.
 PAIR_ENV = "ORCHESTRATOR_PAIR"
 
 # The instant (seconds since the epoch) at which a sample's measured window begins: the staging loop gives both
@@ -60,8 +63,8 @@ START_AT_ENV = "ORCHESTRATOR_START_AT"
 # --turns: seconds between resuming a filled server and a turn's window (the step under way at the pause ends)
 TURN_RAMP = 0.5
 
-# Set for the first sample on a fresh live server: a warm-up batch first (per-shape compilation, first-use
-# allocations), whatever --warmup says.
+# Set for the first sample on a fresh live server: a warm-up first (per-shape compilation, first-use allocations:
+# ``warm_up``), whatever --warmup says.
 WARMUP_ENV = "ORCHESTRATOR_WARMUP"
 
 
