@@ -26,8 +26,8 @@ from typing import Awaitable, Callable
 import httpx
 from pydantic import ValidationError
 
-from orchestrator.probes.client import (Outcome, ProbeError, drive, drive_steady, prefilled, prefix_cache_hits, served_model,
-                                        set_paused, steady_load, wait_for_fill, watch_window)
+from orchestrator.probes.client import (Outcome, ProbeError, drive, drive_steady, prefilled, prefix_cache_hits,
+                                        served_model, set_paused, steady_load, wait_for_fill, watch_window)
 from orchestrator.probes.live_server import (LiveServer, ServerFailed, Terminated, engine_server_argv,
                                              group_cpu_seconds, on_sigterm, server_label, wait_healthy)
 from orchestrator.probes.results import (DEFAULT_WEIGHTS, import_result, summarize, window_result, with_cpu,
