@@ -8,7 +8,8 @@
 #                                                               # (LAYERS=20 with the last: a model of 20 layers,
 #                                                               # which an H100 holds with 128 sequences' state)
 #   bash benchmarks/vllm_h200/run.sh stage PART [run options]  # starts `orchestrator run --only` a part, detached
-#   bash benchmarks/vllm_h200/run.sh status                     # poll: the status table, the log's tail
+#   bash benchmarks/vllm_h200/run.sh status                     # poll: the status table, the latest samples
+#                                                               # (samples.py: their warm-ups), the log's tail
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
 #   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history) and
 #                                                               # jit-cache.tgz into $OUT
@@ -143,6 +144,7 @@ case ${1:-} in
     status)
         alive "$WORK/run.pid" && echo "running (pid $(cat "$WORK/run.pid"))" || echo "not running"
         orch status || true
+        [[ -f $WORK/state/orchestrator.db ]] && python3 "$HERE/samples.py" "$WORK/state/orchestrator.db" 6 || true
         tail -n 15 "$WORK/run.log" 2>/dev/null || true
         ls -t "$WORK/state/server-logs" 2>/dev/null | head -3 | while read -r f; do
             echo "== $f"; tail -n 5 "$WORK/state/server-logs/$f"; done

@@ -84,3 +84,40 @@ def test_the_next_machine_gets_the_compiled_kernels_back(tmp_path):
     assert (fresh / ".cache" / "flashinfer" / so).read_bytes() == \
         (tmp_path / "home" / ".cache" / "flashinfer" / so).read_bytes()
     assert "JIT cache restored" in done.stdout
+
+
+def test_the_latest_samples_show_each_fresh_servers_warm_up():
+    """`run.sh status` lists the latest serving samples from the history: here part 2's, whose fresh servers'
+    first windows (after a fixed warm-up of about 5 s) ran slow."""
+    import sys
+    sys.path.insert(0, str(SCRIPT.parent))
+    from samples import lines
+
+    db = SCRIPT.parent / "results" / "2026-12-06-h100-20-layers-part2" / "state" / "orchestrator.db"
+    before = db.read_bytes()
+    last = lines(db, 3)
+    assert last == [
+        "step 5 candidate #1 server 34: score 99,257, 3,243 out tok/s, TPOT 41.5 ms; warm-up 5.2 s",
+        "step 5 baseline #1 server 36: score 120,241, 3,959 out tok/s, TPOT 36.0 ms; warm-up 5.0 s",
+        "step 5 baseline #2 server 36: score 141,251, 4,644 out tok/s, TPOT 27.5 ms",
+    ]
+    assert db.read_bytes() == before  # read-only
+
+
+def test_a_settled_warm_up_shows_its_rates(tmp_path):
+    import json
+    import sys
+    sys.path.insert(0, str(SCRIPT.parent))
+    from samples import lines
+
+    db = sqlite3.connect(tmp_path / "h.db")
+    db.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, step_id INTEGER, arm TEXT, repeat INTEGER, "
+               "server INTEGER, value REAL, metrics TEXT, role TEXT, ok INTEGER)")
+    metrics = {"output_throughput": 4500.0, "mean_tpot_ms": 27.25, "warmup_seconds": 15.04,
+               "warmup_rates": [3100.4, 4200.0, 4480.2, 4470.0], "warmup_settled": True}
+    db.execute("INSERT INTO measurements VALUES (1, 3, 'candidate', 0, 7, 140000, ?, 'throughput', 1)",
+               (json.dumps(metrics),))
+    db.execute("INSERT INTO measurements VALUES (2, 3, 'candidate', 1, 7, 1, '{}', 'correctness', 1)")
+    db.commit()
+    assert lines(tmp_path / "h.db") == ["step 3 candidate #1 server 7: score 140,000, 4,500 out tok/s, TPOT 27.2 ms; "
+                                        "warm-up 15.0 s (rates 3,100 4,200 4,480 4,470), settled"]

@@ -1,0 +1,36 @@
+"""The latest serving samples of a staged run, one line each, read from its history (read-only): which server gave
+each, its score and output rate, the TPOT, and the warm-up before a fresh server's first window (its seconds, each
+step's output rate, whether it settled). `run.sh status` prints them, so that a run on the GPU shows as it goes
+whether fresh servers' first windows measure like the later ones.
+
+    python benchmarks/vllm_h200/samples.py STATE/orchestrator.db [N]
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+
+
+def lines(db: Path, n: int = 8) -> list[str]:
+    con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    rows = con.execute("SELECT step_id, arm, repeat, server, value, metrics FROM measurements WHERE role = 'throughput'"
+                       " AND ok = 1 ORDER BY id DESC LIMIT ?", (n,)).fetchall()
+    out = []
+    for step, arm, repeat, server, value, metrics in reversed(rows):
+        m = json.loads(metrics or "{}")
+        line = (f"step {step if step is not None else '-'} {arm} #{repeat + 1} server {server}: score {value:,.0f}, "
+                f"{m.get('output_throughput', 0):,.0f} out tok/s, TPOT {m.get('mean_tpot_ms', 0):.1f} ms")
+        if "warmup_seconds" in m:
+            rates = " ".join(f"{r:,.0f}" for r in m.get("warmup_rates", []))
+            settled = {True: ", settled", False: ", NOT settled"}.get(m.get("warmup_settled"), "")
+            line += f"; warm-up {m['warmup_seconds']:.1f} s{f' (rates {rates})' if rates else ''}{settled}"
+        out.append(line)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3) or not Path(sys.argv[1]).is_file():
+        sys.exit("usage: samples.py STATE/orchestrator.db [N]")
+    print("\n".join(lines(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) == 3 else 8)))
