@@ -83,7 +83,8 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     steps = [b["step"] for b in blocks]
     start_s, pair_s = costs(store, run.run_id, steps)
     first = first_window([(x.server, x.at, x.value, x.fresh) for x in samples], run.project.policy.confidence)
-    if first_window_biased(first):
+    biased = first_window_biased(first)
+    if biased:
         run.store.event(run.run_id, "warning", f"A/A: a fresh server's first sample measured {first['mean']:+.2%} "
                         f"[{first['low']:+.2%}, {first['high']:+.2%}] against its next ({first['servers']} servers): "
                         "the warm-up did not warm the servers, and every decision's fresh samples carry it")
@@ -92,7 +93,7 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
         switched = [seconds for server in run.sleepers for step, _, seconds in server.switches if step in steps]
         if pair_s is not None:  # a pair's switch of arm: one server sleeps, the other wakes
             pair_s += sum(switched) / (pairs * starts)
-        skip = {(x.server, x.at) for x in samples if x.fresh} if first_window_biased(first) else set()
+        skip = {(x.server, x.at) for x in samples if x.fresh} if biased else set()
         wake = wake_spread([(x.server, x.segment, x.at, x.value) for x in samples], skip)
     spread, p, still = wake[:3] if wake else (None, None, None)
     noise = replace(measured, start_seconds=start_s, pair_seconds=pair_s, wake=spread, wake_p=p, still=still)
