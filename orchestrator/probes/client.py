@@ -152,7 +152,7 @@ def keep_filled(client: httpx.AsyncClient, url: str, model: str, workload: Workl
     async def keep_busy(out: Outcome, fill_len: int) -> None:
         outcomes.append(out)
         await send(client, url, model, next(stream)[0], fill_len, out=out)
-        while running():
+        while running() and not asyncio.current_task().cancelling():  # a cancel the HTTP client swallowed
             out = Outcome()
             outcomes.append(out)
             await send(client, url, model, *next(stream), out=out)
