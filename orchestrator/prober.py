@@ -322,10 +322,11 @@ class Prober:
             read[spec.name] = out.metrics
         return read, None
 
-    def failed_correctness(self, step_id: int | None, arm: Arm, label: str,
-                           plugin: str) -> tuple[ProbeSpec, ProbeResult] | None:
-        """The first correctness probe that fails on the arm's state, with its result; None when all pass."""
-        for spec in self.correctness:
+    def failed_correctness(self, step_id: int | None, arm: Arm, label: str, plugin: str,
+                           specs: Sequence[ProbeSpec] | None = None) -> tuple[ProbeSpec, ProbeResult] | None:
+        """The first correctness probe (of ``specs``, by default all) that fails on the arm's state, with its
+        result; None when all pass."""
+        for spec in self.correctness if specs is None else specs:
             out = self.probe(spec, step_id, arm, label, 0, plugin)
             if not out.ok:
                 return spec, out

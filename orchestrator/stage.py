@@ -108,16 +108,19 @@ class Stager:
                     self.prober.start(arm, "baseline", None, 0, "baseline", wait=False)
                 except ArmFailed:
                     arm.server = StateServer(self.run, pinned=self.run.pairing)  # its first probe starts another
+        # as a candidate's: where the configuration is read from the server, the probes that need none come first
+        served = any(self.prober.serves(s) for s in self.prober.configuration)
+        early = [s for s in self.prober.correctness if served and not self.prober.serves(s)]
+        for spec in early:
+            self.baseline_check(spec, arm)
         if self.prober.configuration:
             read, failed = self.prober.configuration_of(None, arm, "baseline", "baseline")
             if failed:
                 self.store.event(self.run.run_id, "warning", f"baseline fails configuration probe {failed[0].name}: "
                                  f"{failed[1].message}; every candidate is measured")
             self.kept.configuration = None if failed else read
-        for spec in self.prober.correctness:
-            out = self.prober.probe(spec, None, arm, "baseline", 0, "baseline")
-            if not out.ok:
-                self.store.event(self.run.run_id, "warning", f"baseline fails correctness probe {spec.name}: {out.message}")
+        for spec in (s for s in self.prober.correctness if s not in early):
+            self.baseline_check(spec, arm)
         if not self.prober.throughput:
             return
         try:
@@ -130,6 +133,12 @@ class Stager:
             self.prober.release()
         self.kept.samples = samples
         self.store.update_run(self.run.run_id, baseline=dumps(medians([s.metrics for s in samples])))
+
+    def baseline_check(self, spec: ProbeSpec, arm: Arm) -> None:
+        """A correctness probe on the state the run starts from: a failure is a warning."""
+        out = self.prober.probe(spec, None, arm, "baseline", 0, "baseline")
+        if not out.ok:
+            self.store.event(self.run.run_id, "warning", f"baseline fails correctness probe {spec.name}: {out.message}")
 
     def stage(self, plugin: Plugin) -> None:
         """Skip it, find it already applied, or attempt every params combination and keep the best candidate."""
@@ -308,6 +317,15 @@ class Stager:
                 self.prober.start(cand, "candidate", step_id, 0, name, wait=False)
             except ArmFailed:
                 cand.server = None  # the correctness probe starts it again, and fails as the probe it is
+        # a configuration read from the candidate's server (vLLM's): the correctness probes that need no server run
+        # first, as they put every server to sleep, and the one the configuration is read from is the one measured
+        served = any(self.prober.serves(s) for s in self.prober.configuration)
+        early = [s for s in self.prober.correctness if not self.prober.serves(s)] if served else []
+        if early and (failed := self.prober.failed_correctness(step_id, cand, "candidate", name, early)):
+            spec, out = failed
+            return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
+        if served and pinned == "sleeping" and pinnable and self.run.project.policy.interleave:
+            cand.server = StateServer(self.run, pinned=pinned)
         if self.prober.configuration:
             read, failed = self.prober.configuration_of(step_id, cand, "candidate", name)
             if failed:
@@ -332,7 +350,8 @@ class Stager:
                 cand.server = None
             self.kept.release()  # one server at a time
         with pairing.meanwhile(step_id, name, base, cand):
-            failed = self.prober.failed_correctness(step_id, cand, "candidate", name)
+            failed = self.prober.failed_correctness(step_id, cand, "candidate", name,
+                                                    [s for s in self.prober.correctness if s not in early])
         if failed:
             spec, out = failed
             return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")

@@ -185,10 +185,13 @@ class VllmTarget(Target):
         with the target's stop grace period and a log kept under the state folder. For a caller
         that wants one start to serve several probes: ``start()``, ``wait_healthy(startup_timeout)``,
         then the probes of ``probes_against(server.url)``, then ``stop()``. Beside a server it sleeps
-        with (`beside` "sleeping"), sleep mode and its routes are on (VLLM_SERVER_DEV_MODE)."""
+        with (`beside` "sleeping"), sleep mode is on; where servers sleep, development mode too
+        (VLLM_SERVER_DEV_MODE: the sleep routes, and the resolved config the configuration probe reads, on a
+        server started one at a time as well)."""
         argv, env = self.serve_argv(), dict(env or os.environ)
         if beside == "sleeping":
             argv.append("--enable-sleep-mode")
+        if beside == "sleeping" or self.pairing() == "sleeping":
             env[DEV_MODE_ENV] = "1"
         return LiveServer(argv, env=env, stop_timeout=self.config.stop_timeout, log_dir=self.server_logs,
                           log_label=label)
@@ -204,7 +207,14 @@ class VllmTarget(Target):
         startup = f"{c.startup_timeout:g}"
         model = ["--model", c.served_model_name] if c.served_model_name else []
         margin = c.startup_timeout + c.stop_timeout + 60  # the probe itself reports a start-up timeout
+        configuration = [
+            {"name": "vllm-config", "role": "configuration", "timeout": margin + 120,
+             "command": ["python", "-m", "orchestrator.probes.vllm_config", *self._server_source(base_url),
+                         "--startup-timeout", startup, "--serve-config", str(self.serve_config),
+                         "--package", str(self.package)]},
+        ] if self.pairing() == "sleeping" else []  # development mode serves the resolved config, as the sleep routes
         return [
+            *configuration,
             {"name": "greedy", "role": "correctness", "timeout": margin + c.check_timeout,
              "command": ["python", "-m", "orchestrator.probes.greedy", "--reference", str(self.reference_path),
                          *self._server_source(base_url), "--startup-timeout", startup, "--mode", c.correctness,
@@ -217,8 +227,9 @@ class VllmTarget(Target):
 
     def default_probes(self) -> list[dict[str, Any]]:
         """The kernel check of deployed shims (no server: it may need the GPU's memory), then live probes,
-        each starting its own `vllm serve` of the serve config on disk: greedy outputs against the
-        baseline's, then the serving benchmark. The staging loop runs the live ones against one server
+        each starting its own `vllm serve` of the serve config on disk: where servers sleep, the configuration
+        the server resolved (orchestrator.probes.vllm_config: a candidate that resolves to the kept state's is
+        not measured); greedy outputs against the baseline's, then the serving benchmark. The staging loop runs the live ones against one server
         per state instead (``probes_against``)."""
         kernels = {"name": "kernels", "role": "correctness", "timeout": self.config.check_timeout,
                    "command": ["python", "-m", "orchestrator.targets.vllm", "check-kernels"]}
