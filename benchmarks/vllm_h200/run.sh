@@ -39,8 +39,8 @@ CONFIG=$PROJ/benchmarks/vllm_h200/orchestrator.yaml
 # default, and its log shows compilation mode NONE for this model, under which the qk-norm-rope pass does not run).
 declare -A PARTS=(
     [1]="max-num-seqs-256,max-batched-tokens-32k,moe-backend"
-    [2]="moe-backend,ssm-state-bf16,cudagraph-capture-size"
-    [3]="async-scheduling,fusion-qk-norm-rope,api-server-count,stream-interval"
+    [2]="async-scheduling,moe-backend,ssm-state-bf16,cudagraph-capture-size"
+    [3]="fusion-qk-norm-rope,api-server-count,stream-interval"
     [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
 )
 
