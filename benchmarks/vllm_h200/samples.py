@@ -1,7 +1,9 @@
 """The latest serving samples of a staged run, one line each, read from its history (read-only): which server gave
 each, its score and output rate, the TPOT, and the warm-up before a fresh server's first window (its seconds, each
 step's output rate, whether it settled). `run.sh status` prints them, so that a run on the GPU shows as it goes
-whether fresh servers' first windows measure like the later ones.
+whether fresh servers' first windows measure like the later ones. Then each configuration reading (the `vllm-config`
+probe's) against the baseline's: the same, or the keys it differs in, so that a run shows which changes its
+servers resolved away and whether anything that differs between starts is left in the readings.
 
     python benchmarks/vllm_h200/samples.py STATE/orchestrator.db [N]
 """
@@ -30,7 +32,35 @@ def lines(db: Path, n: int = 8) -> list[str]:
     return out
 
 
+def flat(reading: dict) -> dict:
+    """A configuration probe's reading as {section.key: value} (the engine's keys are dotted already)."""
+    return {f"{section}.{k}" if k else section: x for section, v in reading.items()
+            for k, x in (v.items() if isinstance(v, dict) else [("", v)])}
+
+
+def configurations(db: Path) -> list[str]:
+    """One line per configuration reading after the baseline's: the baseline's, or the keys it differs in."""
+    con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    rows = con.execute("SELECT step_id, arm, metrics FROM measurements WHERE role = 'configuration' AND ok = 1 "
+                       "ORDER BY id").fetchall()
+    base = next((flat(json.loads(m)["configuration"]) for step, arm, m in rows if step is None), None)
+    if base is None:
+        return []
+    out = []
+    for step, arm, metrics in rows:
+        if step is None:
+            continue
+        mine = flat(json.loads(metrics)["configuration"])
+        changed = sorted(k for k in base.keys() | mine.keys() if base.get(k) != mine.get(k))
+        shown = ", ".join(f"{k} {base.get(k)!r} -> {mine.get(k)!r}" for k in changed[:4])
+        out.append(f"configuration step {step} {arm}: " + (f"differs in {len(changed)}: {shown}"
+                                                            + (", ..." if len(changed) > 4 else "")
+                                                            if changed else "the baseline's"))
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or not Path(sys.argv[1]).is_file():
         sys.exit("usage: samples.py STATE/orchestrator.db [N]")
-    print("\n".join(lines(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) == 3 else 8)))
+    print("\n".join(lines(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) == 3 else 8)
+                    + configurations(Path(sys.argv[1]))))

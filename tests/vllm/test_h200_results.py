@@ -121,3 +121,31 @@ def test_a_settled_warm_up_shows_its_rates(tmp_path):
     db.commit()
     assert lines(tmp_path / "h.db") == ["step 3 candidate #1 server 7: score 140,000, 4,500 out tok/s, TPOT 27.2 ms; "
                                         "warm-up 15.0 s (rates 3,100 4,200 4,480 4,470), settled"]
+
+
+def test_configuration_readings_show_what_differs_from_the_baseline(tmp_path):
+    """Each `vllm-config` reading after the baseline's: the baseline's, or its differing keys (old and new value)."""
+    import json
+    import sys
+    sys.path.insert(0, str(SCRIPT.parent))
+    from samples import configurations
+
+    db = sqlite3.connect(tmp_path / "h.db")
+    db.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, step_id INTEGER, arm TEXT, metrics TEXT, "
+               "role TEXT, ok INTEGER)")
+    base = {"engine": {"scheduler_config.async_scheduling": True, "scheduler_config.max_num_seqs": 256},
+            "env": {}, "frontend": {}, "package": "ab12"}
+    readings = [(None, "baseline", base),
+                (1, "candidate", base),
+                (2, "candidate", {**base, "engine": {**base["engine"], "scheduler_config.max_num_seqs": 512},
+                                  "package": "cd34"})]
+    for i, (step, arm, reading) in enumerate(readings):
+        db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, 'configuration', 1)",
+                   (i + 1, step, arm, json.dumps({"configuration": reading})))
+    db.execute("INSERT INTO measurements VALUES (9, 3, 'candidate', '{\"error\": \"404\"}', 'configuration', 0)")
+    db.commit()
+    assert configurations(tmp_path / "h.db") == [
+        "configuration step 1 candidate: the baseline's",
+        "configuration step 2 candidate: differs in 2: engine.scheduler_config.max_num_seqs 256 -> 512, "
+        "package 'ab12' -> 'cd34'",
+    ]
