@@ -305,40 +305,10 @@ class Stager:
         base = self.kept.arm
         base.holding, base.show = kept_ids, lambda: self.journal.show(step_id, "pre")
         cand.holding, cand.show = [*kept_ids, plugin.id], lambda: self.journal.show(step_id, "post")
-        read: dict | None = None
-        pinned = self.run.pairing
-        if (pinned in SIDE_BY_SIDE and self.prober.configuration
-                and self.run.project.policy.interleave and any(self.prober.serves(s) for s in self.prober.throughput)):
-            # the candidate's own server starts while its configuration probe runs (a start costs seconds on a
-            # GPU, and a server that served only the correctness probes serves the pairs too); a candidate that
-            # turns out unmeasured, or to be measured one server at a time, stops it
-            cand.server = StateServer(self.run, pinned=pinned)
-            try:
-                self.prober.start(cand, "candidate", step_id, 0, name, wait=False)
-            except ArmFailed:
-                cand.server = None  # the correctness probe starts it again, and fails as the probe it is
-        # a configuration read from the candidate's server (vLLM's): the correctness probes that need no server run
-        # first, as they put every server to sleep, and the one the configuration is read from is the one measured
-        served = any(self.prober.serves(s) for s in self.prober.configuration)
-        early = [s for s in self.prober.correctness if not self.prober.serves(s)] if served else []
-        if early and (failed := self.prober.failed_correctness(step_id, cand, "candidate", name, early)):
-            spec, out = failed
-            return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
-        if served and pinned == "sleeping" and pinnable and self.run.project.policy.interleave:
-            cand.server = StateServer(self.run, pinned=pinned)
-        if self.prober.configuration:
-            read, failed = self.prober.configuration_of(step_id, cand, "candidate", name)
-            if failed:
-                spec, out = failed
-                return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
-            if (ignored := self.kept.ignored(read)) is not None:
-                return self.no_effect(plugin, variant, step_id, policy, ignored)
-            if earlier := self.kept.judged_like(read):
-                other, other_step, reason = earlier
-                return self.roll_back(plugin, variant, step_id, reason,
-                                      f"runs what {other} ran (step {other_step}; the configuration probes read the "
-                                      f"same), which was rolled back as {reason} against this same kept state: not "
-                                      "measured again")
+        found = self.configured(plugin, variant, step_id, name, cand, pinnable, policy)
+        if found is None:
+            return None  # rolled back before any pair
+        read, early = found
         one_at_a_time = not pinnable or (read is not None and self.kept.memory_changed(read, target.memory_keys()))
         pairing = choose(self.prober, policy, self.noise, self.kept.samples, one_at_a_time)
         if isinstance(pairing, Together):
@@ -375,6 +345,49 @@ class Stager:
             self.kept.remember(read, name, step_id, reason)
             return self.roll_back(plugin, variant, step_id, reason, detail)
         return self.candidate(verdict, reason, cand, read)
+
+    def configured(self, plugin: Plugin, variant: Variant, step_id: int, name: str, cand: Arm, pinnable: bool,
+                   policy) -> tuple[dict | None, list[ProbeSpec]] | None:
+        """Before any pair: the candidate's configuration read (and the correctness probes that must precede it),
+        its server started where the pairing keeps one. Returns (the reading, the correctness probes already
+        passed), or None when the candidate was rolled back: a probe failed, or its configuration says that
+        measuring it would measure noise."""
+        read: dict | None = None
+        pinned = self.run.pairing
+        interleave = self.run.project.policy.interleave
+        if (pinned in SIDE_BY_SIDE and self.prober.configuration
+                and interleave and any(self.prober.serves(s) for s in self.prober.throughput)):
+            # the candidate's own server starts while its configuration probe runs (a start costs seconds on a
+            # GPU, and a server that served only the correctness probes serves the pairs too); a candidate that
+            # turns out unmeasured, or to be measured one server at a time, stops it
+            cand.server = StateServer(self.run, pinned=pinned)
+            try:
+                self.prober.start(cand, "candidate", step_id, 0, name, wait=False)
+            except ArmFailed:
+                cand.server = None  # the correctness probe starts it again, and fails as the probe it is
+        # a configuration read from the candidate's server (vLLM's): the correctness probes that need no server run
+        # first, as they put every server to sleep, and the one the configuration is read from is the one measured
+        served = any(self.prober.serves(s) for s in self.prober.configuration)
+        early = [s for s in self.prober.correctness if not self.prober.serves(s)] if served else []
+        if early and (failed := self.prober.failed_correctness(step_id, cand, "candidate", name, early)):
+            spec, out = failed
+            return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
+        if served and pinned == "sleeping" and pinnable and interleave:
+            cand.server = StateServer(self.run, pinned=pinned)
+        if self.prober.configuration:
+            read, failed = self.prober.configuration_of(step_id, cand, "candidate", name)
+            if failed:
+                spec, out = failed
+                return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
+            if (ignored := self.kept.ignored(read)) is not None:
+                return self.no_effect(plugin, variant, step_id, policy, ignored)
+            if earlier := self.kept.judged_like(read):
+                other, other_step, reason = earlier
+                return self.roll_back(plugin, variant, step_id, reason,
+                                      f"runs what {other} ran (step {other_step}; the configuration probes read the "
+                                      f"same), which was rolled back as {reason} against this same kept state: not "
+                                      "measured again")
+        return read, early
 
     def no_effect(self, plugin: Plugin, variant: Variant, step_id: int, policy, ignored: dict[str, str]) -> None:
         """The candidate changes nothing the target runs here (its configuration probes read what the last kept
