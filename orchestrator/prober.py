@@ -125,6 +125,16 @@ class Prober:
     def serves(self, spec: ProbeSpec) -> bool:
         return self.disk.serves(spec)
 
+    @property
+    def reads_server(self) -> bool:
+        """Whether a configuration probe reads the state's live server (vLLM's resolved config)."""
+        return any(self.serves(s) for s in self.configuration)
+
+    def before_configuration(self) -> list[ProbeSpec]:
+        """The correctness probes that run before the configuration probes: where those read the state's server,
+        the ones that need no server (they put every server to sleep, and the server read is the one measured)."""
+        return [s for s in self.correctness if not self.serves(s)] if self.reads_server else []
+
     def env(self, spec: ProbeSpec, arm: Arm, repeat: int, plugin: str) -> dict[str, str]:
         """The probe environment of the arm's state: its plugins that change numerics (NUMERICS_ENV), and for a
         throughput probe the pair index."""

@@ -108,9 +108,7 @@ class Stager:
                     self.prober.start(arm, "baseline", None, 0, "baseline", wait=False)
                 except ArmFailed:
                     arm.server = StateServer(self.run, pinned=self.run.pairing)  # its first probe starts another
-        # as a candidate's: where the configuration is read from the server, the probes that need none come first
-        served = any(self.prober.serves(s) for s in self.prober.configuration)
-        early = [s for s in self.prober.correctness if served and not self.prober.serves(s)]
+        early = self.prober.before_configuration()
         for spec in early:
             self.baseline_check(spec, arm)
         if self.prober.configuration:
@@ -365,15 +363,12 @@ class Stager:
                 self.prober.start(cand, "candidate", step_id, 0, name, wait=False)
             except ArmFailed:
                 cand.server = None  # the correctness probe starts it again, and fails as the probe it is
-        # a configuration read from the candidate's server (vLLM's): the correctness probes that need no server run
-        # first, as they put every server to sleep, and the one the configuration is read from is the one measured
-        served = any(self.prober.serves(s) for s in self.prober.configuration)
-        early = [s for s in self.prober.correctness if not self.prober.serves(s)] if served else []
+        early = self.prober.before_configuration()
         if early and (failed := self.prober.failed_correctness(step_id, cand, "candidate", name, early)):
             spec, out = failed
             return self.probe_failed(plugin, variant, step_id, name, spec, out, f"probe {spec.name}: {failure(out)}")
-        if served and pinned == "sleeping" and pinnable and interleave:
-            cand.server = StateServer(self.run, pinned=pinned)
+        if self.prober.reads_server and pinned == "sleeping" and pinnable and interleave:
+            cand.server = StateServer(self.run, pinned=pinned)  # the server its configuration is read from is measured
         if self.prober.configuration:
             read, failed = self.prober.configuration_of(step_id, cand, "candidate", name)
             if failed:
