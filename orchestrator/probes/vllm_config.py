@@ -11,7 +11,8 @@ candidate's server with the kept state's and rolls such a change back unmeasured
 The reading is what decides what the server runs:
 - ``engine``: the engine config the server resolved (`GET /server_info?config_format=json`, which vLLM serves in
   development mode, as the sleep routes), flattened to dotted keys, without what differs from one start to the
-  next (``VOLATILE``: an instance id, ports, cache folders, object addresses);
+  next (``VOLATILE``: an instance id, ports, cache folders, compile times, the KV cache's block count; object
+  addresses masked, sets sorted);
 - ``env``: the server's ``VLLM_*`` settings, as it reports them;
 - ``frontend``: the serve config's keys that are no engine argument (``api-server-count``): the API server's own
   options, absent from the engine config;
@@ -40,9 +41,12 @@ from orchestrator.loading import ConfigError
 from orchestrator.targets.vllm_options import DEV_MODE_ENV, SourceError, default_package, normalize, read
 
 SERVER_INFO = "/server_info?config_format=json"
-# keys of the engine config that differ between two starts of one config: never what a server runs
+# keys of the engine config that differ between two starts of one config: ids, ports and folders; what the start
+# measured (compile times; the KV cache's blocks, which the memory left beside a sleeping server sizes: an option that
+# changes them shows as its own key)
 VOLATILE = re.compile(r"(^|\.)(instance_id|engine_id|_api_process_rank|cache_dir|local_cache_dir|debug_dump_path"
-                      r"|[a-z_]*port(_list)?)$")
+                      r"|[a-z_]*port(_list)?|[a-z_]*compilation_time|num_gpu_blocks|num_cpu_blocks"
+                      r"|kv_cache_size_tokens|kv_cache_max_concurrency)$")
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object shown by its repr (vLLM dumps what JSON cannot hold as str)
 ENV_VOLATILE = re.compile(r"PORT|HOST|_IP$|RPC_BASE_PATH")
 
@@ -54,13 +58,16 @@ class ProbeFailure(Exception):
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as one level of dotted keys; lists as their JSON text."""
+    """Nested mappings as one level of dotted keys; lists as their JSON text, a list of plain values sorted (vLLM
+    dumps a set as a list, in an order that changes from one process to the next; its lists of sizes are sets)."""
     if isinstance(value, dict):
         out: dict[str, Any] = {}
         for k, v in value.items():
             out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     if isinstance(value, list):
+        if all(isinstance(v, (str, int, float, bool)) for v in value):
+            value = sorted(value, key=lambda v: (type(v).__name__, v))
         value = json.dumps(value, sort_keys=True, default=str)
     if isinstance(value, str):
         value = ADDRESS.sub(" at 0x…", value)
