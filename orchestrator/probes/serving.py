@@ -217,8 +217,7 @@ async def warm_up(base_url: str, model: str, workload: Workload, request_timeout
     spread from 23k to 37k). Returns ``warmup_seconds`` (and a steady warm-up's rates)."""
     if workload.steady:
         warm = workload.model_copy(update=dict(seed=workload.seed + WARMUP_OFFSET))
-        found = None  # the stream stops once the server settled, though a cancel is lost on the way
-        async with steady_load(base_url, model, warm, request_timeout, lambda: found is None) as load:
+        async with steady_load(base_url, model, warm, request_timeout) as load:
             await wait_for_fill(load.wave, load.outcomes, warm.fill_limit)
             found = await settle(load.outcomes, max(workload.duration, WARM_SECONDS))
         if not any(o.token_times for o in load.outcomes):
