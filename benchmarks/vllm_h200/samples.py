@@ -43,14 +43,19 @@ def configurations(db: Path) -> list[str]:
     con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
     rows = con.execute("SELECT step_id, arm, metrics FROM measurements WHERE role = 'configuration' AND ok = 1 "
                        "ORDER BY id").fetchall()
-    base = next((flat(json.loads(m)["configuration"]) for step, arm, m in rows if step is None), None)
+    rows = [(step, arm, json.loads(m)) for step, arm, m in rows]
+    base = next((flat(m["configuration"]) for step, arm, m in rows if step is None and "configuration" in m), None)
     if base is None:
-        return []
+        return [f"configuration baseline {arm}: no reading ({', '.join(sorted(m)) or 'empty'})"
+                for step, arm, m in rows if step is None]
     out = []
     for step, arm, metrics in rows:
         if step is None:
             continue
-        mine = flat(json.loads(metrics)["configuration"])
+        if "configuration" not in metrics:
+            out.append(f"configuration step {step} {arm}: no reading ({', '.join(sorted(metrics)) or 'empty'})")
+            continue
+        mine = flat(metrics["configuration"])
         changed = sorted(k for k in base.keys() | mine.keys() if base.get(k) != mine.get(k))
         shown = ", ".join(f"{k} {base.get(k)!r} -> {mine.get(k)!r}" for k in changed[:4])
         out.append(f"configuration step {step} {arm}: " + (f"differs in {len(changed)}: {shown}"
