@@ -157,6 +157,10 @@ def label(step: dict) -> str:
 
 
 MAX_TEXT = 4000  # characters of a detail, reason or message stored: a probe or a file may say far more
+# characters of a configuration probe's result stored whole: a state's effective configuration (vLLM's resolved
+# config runs to tens of thousands) is what a rollback "unmeasured, runs what the kept state runs" rests on, and it
+# is read once a state, not once a sample
+MAX_CONFIGURATION = 1_000_000
 
 
 def bounded(text: str | None, limit: int = MAX_TEXT) -> str | None:
@@ -562,7 +566,8 @@ class Store(Reader):
 
     # measurements, decisions, events, processes
     def add_measurement(self, **row: Any) -> None:
-        row["metrics"] = bounded_metrics(row.get("metrics"))
+        row["metrics"] = bounded_metrics(row.get("metrics"),
+                                         MAX_CONFIGURATION if row.get("role") == "configuration" else 4 * MAX_TEXT)
         row["reason"] = bounded(row.get("reason"))
         row["fingerprint"] = dumps(row.get("fingerprint"))
         self._db["measurements"].insert(dict(at=time.time(), **row))

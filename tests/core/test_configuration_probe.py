@@ -112,3 +112,29 @@ def test_without_a_configuration_probe_every_candidate_is_measured(tmp_path):
     probes = [r["probe"] for r in project.db().execute(
         "SELECT m.probe FROM measurements m JOIN steps s ON s.id = m.step_id WHERE s.plugin = 'quiet-logs'")]
     assert probes.count("speed") >= 4  # measured: two pairs at least, the same score on both arms
+
+
+def test_a_configuration_as_long_as_vllms_is_stored_whole(tmp_path):
+    """vLLM's resolved config runs to tens of thousands of characters: the history keeps each state's reading whole
+    (what a rollback "runs what the kept state runs" rests on), where a throughput result that long keeps only its
+    numbers."""
+    project = make(tmp_path / "p")
+    script = (project.path / "configuration.py").read_text().replace(
+        '{"threads": int(keys["threads"])}',
+        '{"threads": int(keys["threads"]), **{f"compilation.size_{i}": [i] * 4 for i in range(3000)}}')
+    (project.path / "configuration.py").write_text(script)
+    (project.path / "speed.py").write_text(SPEED.replace('print(json.dumps({"score": 100.0 * threads}))',
+                                                         'print(json.dumps({"score": 100.0 * threads, '
+                                                         '"padding": "x" * 100_000}))'))
+    project.cli("run", "--only", "quiet-logs,more-threads", check=0)
+    assert project.outcomes() == {"quiet-logs": ("rolled_back", "no_gain"), "more-threads": ("kept", None)}
+    readings = {(r["arm"], r["plugin"]): json.loads(r["metrics"]) for r in project.db().execute(
+        "SELECT m.arm, coalesce(s.plugin, 'baseline') AS plugin, m.metrics FROM measurements m "
+        "LEFT JOIN steps s ON s.id = m.step_id WHERE m.role = 'configuration' AND m.ok = 1")}
+    assert set(readings) == {("baseline", "baseline"), ("candidate", "quiet-logs"), ("candidate", "more-threads")}
+    assert len(json.dumps(readings["baseline", "baseline"])) > 50_000
+    assert readings["baseline", "baseline"]["configuration"]["compilation.size_2999"] == [2999] * 4
+    assert readings["candidate", "more-threads"]["configuration"]["threads"] == 4
+    speeds = [json.loads(r["metrics"]) for r in project.db().execute(
+        "SELECT metrics FROM measurements WHERE probe = 'speed' AND ok = 1")]
+    assert speeds and all("padding" not in m and m["score"] in (100.0, 400.0) and "cut" in m for m in speeds)
