@@ -8,8 +8,9 @@
 #                                                               # (LAYERS=20 with the last: a model of 20 layers,
 #                                                               # which an H100 holds with 128 sequences' state)
 #   bash benchmarks/vllm_h200/run.sh stage PART [run options]  # starts `orchestrator run --only` a part, detached
-#   bash benchmarks/vllm_h200/run.sh status                     # poll: the status table, the latest samples
-#                                                               # (samples.py: their warm-ups), the log's tail
+#   [OUT=$OUT] bash benchmarks/vllm_h200/run.sh status          # poll: the status table, the latest samples
+#                                                               # (samples.py: their warm-ups), the log's tail;
+#                                                               # with OUT=, results.tgz less the report
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
 #   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history) and
 #                                                               # jit-cache.tgz into $OUT
@@ -69,6 +70,27 @@ jit_cache() {
         tar -czf "$1" -C "$HOME" .cache/flashinfer  # Triton's does not fit beside it
     fi
     (($(stat -c %s "$1") <= 12 * 1024 * 1024)) || { echo "JIT cache over 12 MiB: not brought back"; rm -f "$1"; }
+}
+
+# results.tgz in $1: status, logs, the kept serve.yaml and the history (with the report where $2 says so)
+pack() {
+    local out=$1 pack=$WORK/pack
+    rm -rf "$pack" && mkdir -p "$pack" "$out"
+    orch status --json > "$pack/status.json" 2>/dev/null || true
+    orch status > "$pack/status.txt" 2>&1 || true
+    [[ ${2:-} == report ]] && { orch report --out "$pack/report" > /dev/null 2>&1 || true; }
+    cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$pack/" 2>/dev/null || true
+    cp "$WORK/serve/serve.yaml" "$pack/kept-serve.yaml" 2>/dev/null || true
+    # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
+    # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
+    if [[ -f $WORK/state/orchestrator.db ]]; then
+        mkdir -p "$pack/state"
+        python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+            "$WORK/state/orchestrator.db" "$pack/state/orchestrator.db" || true
+        cp -r "$WORK/state/blobs" "$WORK/state/intents.jsonl" "$pack/state/" 2>/dev/null || true  # not the lock
+    fi
+    cp /tmp/qwen36/config.json "$pack/model-config.json" 2>/dev/null || true
+    tar -czf "$out/results.tgz" -C "$pack" .
 }
 
 setup() {
@@ -147,8 +169,14 @@ case ${1:-} in
         [[ -f $WORK/state/orchestrator.db ]] && python3 "$HERE/samples.py" "$WORK/state/orchestrator.db" 6 || true
         tail -n 15 "$WORK/run.log" 2>/dev/null || true
         ls -t "$WORK/state/server-logs" 2>/dev/null | head -3 | while read -r f; do
-            echo "== $f"; tail -n 5 "$WORK/state/server-logs/$f"; done
+            echo "== $f"; tail -n 5 "$WORK/state/server-logs/$f"; done || true
         tail -n 12 "$WORK/compare.log" 2>/dev/null || true
+        # with OUT= (the device's $OUT), every poll brings back results.tgz as `results` packs it, less the report:
+        # a machine taken back mid-run still leaves its history here, and STATE= continues from it elsewhere
+        if [[ -n ${OUT:-} && -f $WORK/state/orchestrator.db ]]; then
+            pack "$OUT"
+            [[ -f $OUT/jit-cache.tgz || -f $WORK/.jit-sent ]] || { jit_cache "$OUT/jit-cache.tgz"; touch "$WORK/.jit-sent"; }
+        fi
         ;;
     compare)
         alive "$WORK/run.pid" && die "the staged run is still going"
@@ -165,26 +193,10 @@ case ${1:-} in
         # what comes back from the machine: results.tgz (status, report, logs, kept serve.yaml, the history) and
         # jit-cache.tgz (the kernels the first server start compiled); $OUT returns at most 8 files, 16 MiB each
         out=${OUT:-$WORK/results}
-        pack=$WORK/pack
-        rm -rf "$pack" && mkdir -p "$pack" "$out"
-        orch status --json > "$pack/status.json" || true
-        orch status > "$pack/status.txt" 2>&1 || true
-        orch report --out "$pack/report" > /dev/null 2>&1 || true
-        cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$pack/" 2>/dev/null || true
-        cp "$WORK/serve/serve.yaml" "$pack/kept-serve.yaml" 2>/dev/null || true
-        # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
-        # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
-        if [[ -f $WORK/state/orchestrator.db ]]; then
-            mkdir -p "$pack/state"
-            python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
-                "$WORK/state/orchestrator.db" "$pack/state/orchestrator.db" || true
-            cp -r "$WORK/state/blobs" "$WORK/state/intents.jsonl" "$pack/state/" 2>/dev/null || true  # not the lock
-        fi
-        cp /tmp/qwen36/config.json "$pack/model-config.json" 2>/dev/null || true
-        tar -czf "$out/results.tgz" -C "$pack" .
+        pack "$out" report
         jit_cache "$out/jit-cache.tgz"
         ls -la "$out"
-        cat "$pack/status.txt" "$pack/kept-serve.yaml" 2>/dev/null || true
+        cat "$WORK/pack/status.txt" "$WORK/pack/kept-serve.yaml" 2>/dev/null || true
         cat "$WORK/compare.md" 2>/dev/null || true
         ;;
     unpack)

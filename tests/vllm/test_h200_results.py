@@ -149,3 +149,47 @@ def test_configuration_readings_show_what_differs_from_the_baseline(tmp_path):
         "configuration step 2 candidate: differs in 2: engine.scheduler_config.max_num_seqs 256 -> 512, "
         "package 'ab12' -> 'cd34'",
     ]
+
+
+def test_a_reading_the_history_cut_is_named_not_a_crash(tmp_path):
+    """A history written before configuration readings were stored whole holds some cut to their numbers."""
+    import json
+    import sys
+    sys.path.insert(0, str(SCRIPT.parent))
+    from samples import configurations
+
+    db = sqlite3.connect(tmp_path / "h.db")
+    db.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, step_id INTEGER, arm TEXT, metrics TEXT, "
+               "role TEXT, ok INTEGER)")
+    cut = json.dumps({"cut": "41234 characters of JSON; only its numbers are kept"})
+    db.execute("INSERT INTO measurements VALUES (1, NULL, 'baseline', ?, 'configuration', 1)", (cut,))
+    db.execute("INSERT INTO measurements VALUES (2, 1, 'candidate', ?, 'configuration', 1)", (cut,))
+    db.commit()
+    assert configurations(tmp_path / "h.db") == ["configuration baseline baseline: no reading (cut)"]
+    db.execute("INSERT INTO measurements VALUES (3, NULL, 'baseline', ?, 'configuration', 1)",
+               (json.dumps({"configuration": {"engine": {"a": 1}}}),))
+    db.commit()
+    assert configurations(tmp_path / "h.db") == ["configuration step 1 candidate: no reading (cut)"]
+
+
+def test_every_poll_brings_the_history_back(tmp_path):
+    """`OUT=… run.sh status` packs results.tgz as `results` does (no report), and the JIT cache once: a machine
+    taken back mid-run leaves here what it had decided."""
+    db = a_run(tmp_path)
+    first, second = tmp_path / "out1", tmp_path / "out2"
+    done = script("status", tmp=tmp_path, OUT=str(first), HOME=str(tmp_path / "home"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in first.iterdir()) == ["jit-cache.tgz", "results.tgz"], done.stdout
+    db.execute("INSERT INTO measurements (value) VALUES (150000.0)")
+    db.commit()
+    done = script("status", tmp=tmp_path, OUT=str(second), HOME=str(tmp_path / "home"))
+    assert sorted(p.name for p in second.iterdir()) == ["results.tgz"], done.stdout
+    db.close()
+    assert script("unpack", "cut", str(second), tmp=tmp_path).returncode == 0
+    dest = tmp_path / "results" / "cut"
+    rows = sqlite3.connect(dest / "state" / "orchestrator.db").execute("SELECT value FROM measurements").fetchall()
+    assert rows == [(99191.0,), (148617.0,), (150000.0,)]
+    assert (dest / "kept-serve.yaml").read_text() == "max-num-seqs: 256\n"
+    # without OUT, a poll writes nothing
+    assert script("status", tmp=tmp_path, HOME=str(tmp_path / "home")).returncode == 0
+    assert not (tmp_path / "work" / "results").exists()
