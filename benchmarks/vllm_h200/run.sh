@@ -53,6 +53,7 @@ RESULTS=${H200_RESULTS:-$HERE/results}
 STAGE=${H200_STAGE:-/tmp/stage}  # where the parts gather
 PAYLOAD_XZ=${PAYLOAD_XZ:-/tmp/vllm-h200/site312_slim.tar.xz}
 PAYLOAD_PARTS=4
+START_LINES=400  # of each server log that `results` brings back: its start, with no request lines
 
 source "$TREE/benchmarks/vllm_machine.sh"
 orch() { python3 -m orchestrator.cli "$@" --config "$CONFIG"; }
@@ -90,6 +91,13 @@ pack() {
         cp -r "$WORK/state/blobs" "$WORK/state/intents.jsonl" "$pack/state/" 2>/dev/null || true  # not the lock
     fi
     cp /tmp/qwen36/config.json "$pack/model-config.json" 2>/dev/null || true
+    # each server's start as it logged it (what a slow start spent its time on), without the per-request lines
+    local log
+    for log in "$WORK"/state/server-logs/*.log; do
+        [[ -f $log ]] || continue
+        mkdir -p "$pack/server-starts"
+        grep -v -E '"(POST|GET) /' "$log" | head -n "$START_LINES" > "$pack/server-starts/${log##*/}" || true
+    done
     tar -czf "$out/results.tgz" -C "$pack" .
 }
 

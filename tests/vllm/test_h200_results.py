@@ -32,6 +32,12 @@ def a_run(tmp: Path) -> sqlite3.Connection:
     (work / "run.log").write_text("live server: started\n")
     (work / "serve" / "serve.yaml").write_text("max-num-seqs: 256\n")
     (work / "state" / "blobs" / "ab12").write_bytes(b"an image")
+    (work / "state" / "server-logs").mkdir()
+    (work / "state" / "server-logs" / "run1-baseline.log").write_text(
+        "INFO 12-07 03:10:31 [api_server.py:1] vLLM API server version 0.34.0\n"
+        + 'INFO:     127.0.0.1:36106 - "POST /v1/completions HTTP/1.1" 200 OK\n' * 5000
+        + 'INFO:     127.0.0.1:36106 - "GET /health HTTP/1.1" 200 OK\n'
+        + "INFO 12-07 03:13:25 [kernel_warmup.py:294] JIT kernel warmup starting.\n")
     db = sqlite3.connect(work / "state" / "orchestrator.db")
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA wal_autocheckpoint=0")
@@ -60,6 +66,9 @@ def test_results_come_back_in_two_files_and_unpack_here_with_the_history_whole(t
     assert (dest / "run.log").read_text() == "live server: started\n"
     assert (dest / "kept-serve.yaml").read_text() == "max-num-seqs: 256\n"
     assert (dest / "state" / "blobs" / "ab12").read_bytes() == b"an image"
+    assert (dest / "server-starts" / "run1-baseline.log").read_text() == (
+        "INFO 12-07 03:10:31 [api_server.py:1] vLLM API server version 0.34.0\n"
+        "INFO 12-07 03:13:25 [kernel_warmup.py:294] JIT kernel warmup starting.\n")  # no request lines
     assert (tmp_path / "jit" / "jit-cache.tgz").read_bytes() == (out / "jit-cache.tgz").read_bytes()
     # a second unpack under the same name changes nothing
     before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
