@@ -10,7 +10,7 @@
 #   bash benchmarks/vllm_h200/run.sh stage PART [run options]  # starts `orchestrator run --only` a part, detached
 #   [OUT=$OUT] bash benchmarks/vllm_h200/run.sh status          # poll: the status table, the latest samples
 #                                                               # (samples.py: their warm-ups), the log's tail;
-#                                                               # with OUT=, results.tgz less the report
+#                                                               # with OUT=, what `results` gives less the report
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
 #   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history) and
 #                                                               # jit-cache.tgz into $OUT
@@ -179,11 +179,12 @@ case ${1:-} in
         ls -t "$WORK/state/server-logs" 2>/dev/null | head -3 | while read -r f; do
             echo "== $f"; tail -n 5 "$WORK/state/server-logs/$f"; done || true
         tail -n 12 "$WORK/compare.log" 2>/dev/null || true
-        # with OUT= (the device's $OUT), every poll brings back results.tgz as `results` packs it, less the report:
-        # a machine taken back mid-run still leaves its history here, and STATE= continues from it elsewhere
+        # with OUT= (the device's $OUT), every poll brings back what `results` does, less the report: a machine
+        # taken back mid-run still leaves its history here (STATE= continues from it elsewhere) and the kernels
+        # compiled so far (each poll's cache is the newest: `unpack` replaces the one here with it)
         if [[ -n ${OUT:-} && -f $WORK/state/orchestrator.db ]]; then
             pack "$OUT"
-            [[ -f $OUT/jit-cache.tgz || -f $WORK/.jit-sent ]] || { jit_cache "$OUT/jit-cache.tgz"; touch "$WORK/.jit-sent"; }
+            jit_cache "$OUT/jit-cache.tgz" > /dev/null
         fi
         ;;
     compare)

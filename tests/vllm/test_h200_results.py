@@ -182,8 +182,8 @@ def test_a_reading_the_history_cut_is_named_not_a_crash(tmp_path):
 
 
 def test_every_poll_brings_the_history_back(tmp_path):
-    """`OUT=… run.sh status` packs results.tgz as `results` does (no report), and the JIT cache once: a machine
-    taken back mid-run leaves here what it had decided."""
+    """`OUT=… run.sh status` packs results.tgz as `results` does (no report), and the JIT cache: a machine taken
+    back mid-run leaves here what it had decided."""
     db = a_run(tmp_path)
     first, second = tmp_path / "out1", tmp_path / "out2"
     done = script("status", tmp=tmp_path, OUT=str(first), HOME=str(tmp_path / "home"))
@@ -192,7 +192,7 @@ def test_every_poll_brings_the_history_back(tmp_path):
     db.execute("INSERT INTO measurements (value) VALUES (150000.0)")
     db.commit()
     done = script("status", tmp=tmp_path, OUT=str(second), HOME=str(tmp_path / "home"))
-    assert sorted(p.name for p in second.iterdir()) == ["results.tgz"], done.stdout
+    assert sorted(p.name for p in second.iterdir()) == ["jit-cache.tgz", "results.tgz"], done.stdout
     db.close()
     assert script("unpack", "cut", str(second), tmp=tmp_path).returncode == 0
     dest = tmp_path / "results" / "cut"
