@@ -38,6 +38,11 @@ def flat(reading: dict) -> dict:
             for k, x in (v.items() if isinstance(v, dict) else [("", v)])}
 
 
+def unread(where: str, arm: str, metrics: dict) -> str:
+    """A configuration measurement with no reading (the history cut it to its numbers), by the keys it kept."""
+    return f"configuration {where} {arm}: no reading ({', '.join(sorted(metrics)) or 'empty'})"
+
+
 def configurations(db: Path) -> list[str]:
     """One line per configuration reading after the baseline's: the baseline's, or the keys it differs in."""
     con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
@@ -46,14 +51,13 @@ def configurations(db: Path) -> list[str]:
     rows = [(step, arm, json.loads(m)) for step, arm, m in rows]
     base = next((flat(m["configuration"]) for step, arm, m in rows if step is None and "configuration" in m), None)
     if base is None:
-        return [f"configuration baseline {arm}: no reading ({', '.join(sorted(m)) or 'empty'})"
-                for step, arm, m in rows if step is None]
+        return [unread("baseline", arm, m) for step, arm, m in rows if step is None]
     out = []
     for step, arm, metrics in rows:
         if step is None:
             continue
         if "configuration" not in metrics:
-            out.append(f"configuration step {step} {arm}: no reading ({', '.join(sorted(metrics)) or 'empty'})")
+            out.append(unread(f"step {step}", arm, metrics))
             continue
         mine = flat(metrics["configuration"])
         changed = sorted(k for k in base.keys() | mine.keys() if base.get(k) != mine.get(k))
