@@ -570,7 +570,8 @@ def _engine_config(args) -> dict:
                 "enable-prefix-caching": False}
     return {"model": args.model, "num-layers": args.layers, "device": "cuda", "dtype": "bfloat16",
             "max-model-len": 4096, "max-num-seqs": 256, "max-num-batched-tokens": 32768,
-            "gpu-memory-utilization": 0.9, "cuda-graphs": True, "enable-prefix-caching": False, **FAST}
+            "gpu-memory-utilization": 0.9, "cuda-graphs": True, "enable-prefix-caching": False,
+            "mamba-ssm-cache-dtype": args.state_dtype, **FAST}
 
 
 def _graphs_state(runner) -> str:
@@ -938,6 +939,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=MODELS[0], choices=MODELS,
                    help="the model of the graphs, engine and profile sections (default: the hybrid one)")
     p.add_argument("--layers", type=int, default=40, help="engine and profile sections: how many of the model's layers")
+    p.add_argument("--state-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="engine and profile sections: the Gated DeltaNet recurrent state (mamba-ssm-cache-dtype; auto: "
+                        "the model's, float32)")
     p.add_argument("--graph-layers", type=int, default=4,
                    help="graphs section: the first layers of --model (4: three Gated DeltaNet and one attention)")
     p.add_argument("--graph-dtypes", default="float32",

@@ -338,3 +338,13 @@ def test_the_served_section_streams_the_engine_sections_workload_through_the_eng
         assert served["server_steps"] >= sizes.output_len and 0 < served["step_busy"]
         assert set(served["thread_cpu_per_s"]) == {"main", "others"}
     assert not any("FAILED" in value for _, value, _ in report["summary"])
+
+
+def test_the_state_dtype_option_reaches_the_engine_config():
+    """--state-dtype sets the recurrent state of the engine and profile sections (the model's float32 by default)."""
+    import argparse
+    import torch
+    from engine.config import load_config
+    for given, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
+        args = argparse.Namespace(device="cuda", model=gpu_report.MODELS[0], layers=4, state_dtype=given)
+        assert load_config(gpu_report._engine_config(args)).state_dtype() == want
