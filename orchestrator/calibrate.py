@@ -16,6 +16,12 @@ whether woken servers may stand in for fresh ones (noise.wakes_like_fresh); the 
 pair is counted in its time. Whatever the pairing, whether a fresh server's first sample, taken after the probe's
 warm-up, measures like its next (noise.first_window): where it does not, a warning, and its differences count for
 no wake.
+
+Each block is recorded as it ends (the history's calibration_blocks), so that a run cut short mid-calibration (its
+machine taken back, a signal) leaves what it measured to the run that continues it (loop.continued): that run
+measures only the blocks still missing, of the same kept state in the same environment. A carried block's kept
+server, where one lives through the blocks, is the earlier run's: its start then counts in the spread between
+starts, which can only widen the intervals judged by it.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import math
 import statistics
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -31,7 +37,8 @@ from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.kept import KeptState
 from orchestrator.noise import (Noise, ceiling, components, first_window, first_window_biased, offset, pairs_needed,
-                                pairs_per_start, score_terms, starts_needed, wake_spread, wakes_like_fresh)
+                                pairs_per_start, score_terms, starts_needed, term_metrics, wake_spread,
+                                wakes_like_fresh)
 from orchestrator.pairing import Together, choose
 from orchestrator.policy import Policy
 from orchestrator.prober import Arm, Prober, Sample, fingerprint
@@ -46,18 +53,24 @@ def label(block: int) -> str:
     return f"(A/A {block + 1})"
 
 
-def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pairs: int) -> Noise:
-    """Run the A/A blocks on the state on disk (the kept state), record the calibration and return its noise."""
+def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pairs: int,
+              carry: Sequence[int] = ()) -> Noise:
+    """Run the A/A blocks on the state on disk (the kept state), record the calibration and return its noise. The
+    blocks of this calibration that the runs in `carry` (cut short before it) measured count as measured."""
     store = run.store
     policy = run.project.policy.model_copy(update=dict(interleave=True, rule="stat", min_pairs=pairs, max_pairs=pairs,
                                                        pairs_per_start=pairs, max_starts=1, calibrate=None))
     pairing = choose(prober, policy, None, None)
     mode = pairing.mode
     kept.arm.show = None
-    blocks: list[dict[str, Any]] = []
-    samples: list[Sample] = []  # every judged sample
-    metrics: list[tuple[object, dict]] = []  # (server, metrics) of every judged sample
-    for j in range(starts):
+    blocks = carried(store, carry, prober.objective, mode, pairs, kept.arm.holding)[:starts]
+    samples = [Sample(x["value"], x["terms"], x["server"], x["segment"], x["at"], x["fresh"])
+               for b in blocks for x in b["samples"]]  # every judged sample
+    metrics = [(x.server, x.metrics) for x in samples]  # (server, metrics) of every judged sample
+    if blocks:
+        store.event(run.run_id, "calibration", f"A/A: {len(blocks)} block(s) measured by the run(s) this one continues "
+                    f"({', '.join(str(r) for r in carry)}) count; {starts - len(blocks)} to measure")
+    for j in range(len(blocks), starts):
         step_id = store.new_step(run.run_id, label(j), "measuring", kind=KIND, objective=prober.objective)
         cand = Arm(list(kept.arm.holding))
         if isinstance(pairing, Together):
@@ -71,17 +84,21 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                 cand.server.stop()
             prober.release()
         logs = [math.log(c.value / b.value) for b, c in zip(verdict.base, verdict.cand)]
-        samples += [*verdict.base, *verdict.cand]
-        metrics += [(x.server, x.metrics) for x in (*verdict.base, *verdict.cand)]
-        blocks.append({"step": step_id, "logs": logs, "finished": time.time(), "base": [s.value for s in verdict.base],
-                       "cand": [s.value for s in verdict.cand],
-                       "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)]})
+        judged = [*verdict.base, *verdict.cand]
+        samples += judged
+        metrics += [(x.server, x.metrics) for x in judged]
+        blocks.append({"step": step_id, "run": run.run_id, "holding": list(kept.arm.holding), "logs": logs, "finished": time.time(),
+                       "base": [s.value for s in verdict.base], "cand": [s.value for s in verdict.cand],
+                       "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)],
+                       "samples": [{"value": x.value, "server": x.server, "segment": x.segment, "at": x.at,
+                                    "fresh": x.fresh, "terms": term_metrics(x.metrics)} for x in judged]})
+        store.add_calibration_block(run.run_id, step_id, prober.objective, mode, pairs, blocks[-1], fingerprint())
     kept.arm.show = None
     kept_restarted = mode in ("simultaneous", "sequential")
     measured = components([b["logs"] for b in blocks], kept_restarted)
     within, between, df = measured.within, measured.between, measured.between_df
     steps = [b["step"] for b in blocks]
-    start_s, pair_s = costs(store, run.run_id, steps)
+    start_s, pair_s = costs(store, [(b["run"], b["step"]) for b in blocks])
     first = first_window([(x.server, x.at, x.value, x.fresh) for x in samples], run.project.policy.confidence)
     biased = first_window_biased(first)
     if biased:
@@ -91,8 +108,8 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     wake = None
     if mode == "sleeping":
         switched = [seconds for server in run.sleepers for step, _, seconds in server.switches if step in steps]
-        if pair_s is not None:  # a pair's switch of arm: one server sleeps, the other wakes
-            pair_s += sum(switched) / (pairs * starts)
+        if pair_s is not None and switched:  # a pair's switch of arm: one server sleeps, the other wakes
+            pair_s += sum(switched) / (pairs * sum(b["run"] == run.run_id for b in blocks))
         skip = {(x.server, x.at) for x in samples if x.fresh} if biased else set()
         wake = wake_spread([(x.server, x.segment, x.at, x.value) for x in samples], skip)
     spread, p, still = wake[:3] if wake else (None, None, None)
@@ -129,9 +146,29 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     return replace(noise, calibration=calibration_id)
 
 
+def carried(store, runs: Sequence[int], objective: str | None, pairing: str, pairs: int,
+            holding: Sequence[str]) -> list[dict]:
+    """The A/A blocks these runs measured of a calibration like this one (the objective, pairing, pairs and kept
+    state) that none of them finished, in the environment measured now, oldest first."""
+    from orchestrator.fingerprint import environment, is_stale
+    finished = {(c["run_id"], c["pairing"]) for c in store.calibrations()}
+    current, out = None, []
+    for row in store.calibration_blocks(runs):
+        block = loads(row["block"])
+        if ((row["objective"], row["pairing"], row["pairs"]) != (objective, pairing, pairs)
+                or (row["run_id"], row["pairing"]) in finished or block["holding"] != list(holding)):
+            continue
+        current = current or environment()
+        recorded = loads(row["fingerprint"])
+        if not (recorded and is_stale(recorded, current)):
+            out.append(block)
+    return out
+
+
 def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_restarted: bool,
                   policy: Policy) -> dict[str, Any]:
-    """Each block's A/A decision, by the noise of the others (its step's decision and outcome)."""
+    """Each block's A/A decision, by the noise of the others (its step's decision and outcome; a block carried from
+    an earlier run is judged, and its step, which that run's end recorded, left as it is)."""
     kept = 0
     for j, block in enumerate(blocks):
         others = [b["logs"] for i, b in enumerate(blocks) if i != j]
@@ -143,21 +180,25 @@ def judged_blocks(run: RunContext, prober: Prober, blocks: list[dict], kept_rest
         d = decide.Judge(policy, noise).decide(block["base"], block["cand"], final=True, starts=starts)
         outcome, reason = decide.outcome(d, (), policy)
         kept += outcome == "kept"
+        if block["run"] != run.run_id:
+            continue
         run.store.add_decision(run.run_id, block["step"], prober.objective, d.to_dict(), [], policy.judging())
         run.store.finish_step(block["step"], "measured", None if outcome == "kept" else reason,
                               f"A/A: the state against itself on a fresh server: {d.verdict}, gain {d.gain:+.2%}"
                               + (f" [{d.ci_low:+.2%}, {d.ci_high:+.2%}]" if d.ci_low is not None else ""),
                               finished=block["finished"], gain=d.gain, before_value=d.baseline_median,
                               after_value=d.candidate_median)
-    return {"aa_judged": len(blocks), "aa_kept": kept}
+    return {"aa_judged": len(blocks), "aa_kept": kept,
+            "aa_carried": [block["step"] for block in blocks if block["run"] != run.run_id]}
 
 
-def costs(store, run_id: int, steps: list[int]) -> tuple[float | None, float | None]:
+def costs(store, steps: list[tuple[int, int]]) -> tuple[float | None, float | None]:
     """Mean seconds from a live server's start to its first health answer, and of a judged pair of samples, over
-    the calibration's steps."""
-    servers = [p for p in store.servers(run_id) if p["step_id"] in steps and p.get("ready")]
+    the calibration's steps (run id, step id)."""
+    servers = [p for r in {r for r, _ in steps} for p in store.servers(r) if (r, p["step_id"]) in steps
+               and p.get("ready")]
     start = statistics.mean(p["ready"] - p["started"] for p in servers) if servers else None
-    rows = [m for s in steps for m in store.measurements(s, run_id) if m["role"] == "throughput" and m["ok"]
+    rows = [m for r, s in steps for m in store.measurements(s, r) if m["role"] == "throughput" and m["ok"]
             and "warm-up" not in (m["arm"] or "")]
     pair = 2 * statistics.mean(m["duration"] for m in rows) if rows else None
     return start, pair

@@ -101,15 +101,17 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
 
 
 def calibrated(ctx: RunContext, prober: Prober, kept: KeptState) -> Noise:
-    """An A/A calibration of the kept state in the run's pairing; where it finds that woken servers do not measure
-    like fresh ones, the run restarts servers instead, judged by a calibration of that (taken now if none is)."""
+    """An A/A calibration of the kept state in the run's pairing, continuing one the runs this one continues left
+    unfinished; where it finds that woken servers do not measure like fresh ones, the run restarts servers instead,
+    judged by a calibration of that (taken now if none is)."""
     policy = ctx.project.policy
-    noise = calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs)
+    chain = continued(ctx.store, ctx.run_id)  # the blocks they measured count
+    noise = calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs, chain)
     restart = sleep_or_restart(ctx, prober.objective, noise)
     if restart is noise:
         return noise
     kept.release()  # the sleeping pairing's server: the kept state's is started anew where it is needed
-    return restart or calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs)
+    return restart or calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs, chain)
 
 
 def sleep_or_restart(ctx: RunContext, objective: str | None, noise: Noise | None) -> Noise | None:

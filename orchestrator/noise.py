@@ -288,6 +288,12 @@ def wakes_like_fresh(noise: Noise) -> bool:
 SCORE_TERMS = (("output", "output_throughput"), ("input", "input_throughput"), ("cached", "cached_throughput"))
 
 
+def term_metrics(metrics: dict) -> dict:
+    """The part of a sample's metrics that score_terms reads: what an A/A block keeps of each sample."""
+    return {k: metrics[k] for k in ("score", "score_weights", "score_streamed", *(f for _, f in SCORE_TERMS))
+            if k in metrics}
+
+
 def score_terms(samples: Sequence[tuple[Hashable, dict]]) -> dict[str, float] | None:
     """Where the serving score's spread within a server comes from: {"score": its sd within a server, and each
     weighted term's ("output", "input", "cached")}, relative to the mean score, pooled over the servers that gave

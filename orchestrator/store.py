@@ -56,6 +56,9 @@ CREATE TABLE IF NOT EXISTS calibrations (
   id INTEGER PRIMARY KEY, run_id INTEGER REFERENCES runs(id), objective TEXT, pairing TEXT, starts INTEGER,
   pairs INTEGER, within_sd REAL, between_sd REAL, between_df INTEGER, start_seconds REAL, pair_seconds REAL,
   summary TEXT, fingerprint TEXT, at REAL);
+CREATE TABLE IF NOT EXISTS calibration_blocks (
+  id INTEGER PRIMARY KEY, run_id INTEGER REFERENCES runs(id), step_id INTEGER REFERENCES steps(id), objective TEXT,
+  pairing TEXT, pairs INTEGER, block TEXT, fingerprint TEXT, at REAL);
 CREATE TABLE IF NOT EXISTS screenings (
   id INTEGER PRIMARY KEY, run_id INTEGER REFERENCES runs(id), workers INTEGER, candidates INTEGER, started REAL,
   finished REAL, busy REAL);
@@ -129,8 +132,13 @@ def _v6_workers(conn: sqlite3.Connection, state_dir: Path) -> None:
     conn.execute("ALTER TABLE measurements ADD COLUMN worker TEXT")
 
 
+def _v7_calibration_blocks(conn: sqlite3.Connection, state_dir: Path) -> None:
+    """Each A/A block is recorded as it ends (a table created with the rest of the schema), so that a run cut short
+    mid-calibration leaves the blocks it measured to the run that continues it."""
+
+
 MIGRATIONS = [_v1_step_kinds, _v2_control, _v3_relative_roots, _v4_path_images, _v5_servers,
-              _v6_workers]  # version v to v + 1
+              _v6_workers, _v7_calibration_blocks]  # version v to v + 1
 VERSION = len(MIGRATIONS)
 # Step columns added since version 0, as a reader shows them in an older database.
 _ADDED_STEP_COLUMNS = {"kind": _V0_KIND, "control": "NULL"}
@@ -396,6 +404,14 @@ class Reader:
     def calibration_of(self, run_id: int) -> dict | None:
         return next((c for c in self.calibrations() if c["run_id"] == run_id), None)
 
+    def calibration_blocks(self, run_ids: Iterable[int]) -> list[dict]:
+        """The A/A blocks these runs measured, oldest first (none in a database older than schema version 7)."""
+        runs = list(run_ids)
+        if not runs or not self.query("SELECT 1 FROM sqlite_master WHERE name = 'calibration_blocks'"):
+            return []
+        marks = ", ".join("?" * len(runs))
+        return self.query(f"SELECT * FROM calibration_blocks WHERE run_id IN ({marks}) ORDER BY id", runs)
+
     def recorded(self) -> dict[str, list[dict]]:
         """Every process, measurement, decision and event: what a screening worker's own history holds of its step."""
         return {table: self.query(f"SELECT * FROM {table} ORDER BY id")
@@ -624,3 +640,9 @@ class Store(Reader):
         fields["summary"] = dumps(fields.get("summary"))
         fields["fingerprint"] = dumps(fields.get("fingerprint"))
         return self._db["calibrations"].insert(dict(run_id=run_id, at=time.time(), **fields)).last_pk
+
+    def add_calibration_block(self, run_id: int, step_id: int, objective: str | None, pairing: str, pairs: int,
+                              block: dict, fingerprint: dict | None) -> None:
+        self._db["calibration_blocks"].insert(dict(run_id=run_id, step_id=step_id, objective=objective,
+                                                   pairing=pairing, pairs=pairs, block=dumps(block),
+                                                   fingerprint=dumps(fingerprint), at=time.time()))

@@ -9,6 +9,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,52 @@ def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):
     assert in_attempts / (NO_OPS + 1) <= 4, in_attempts
     assert starts / (NO_OPS + 1) <= 5, starts  # with the calibration, the baseline and the final re-validation
     assert rows(root, "SELECT count(*) AS n FROM processes WHERE ended IS NULL")[0]["n"] == 0
+
+
+def test_a_run_cut_short_mid_calibration_leaves_its_blocks_to_the_run_that_continues_it(tmp_path):
+    """A GPU lease taken back mid-calibration: the run is killed after two of its three A/A blocks; the next run
+    measures only the third and judges by all three. In another environment, the blocks are not carried."""
+    policy = {"min_gain": 0.02, "min_pairs": 2, "max_pairs": 4, "calibrate": {"starts": 3, "pairs": 2}}
+    roots = [project(tmp_path / name, {"no-op-0": None}, policy) for name in ("same", "moved")]
+    first: dict[Path, list[dict]] = {}
+    for root in roots:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "STANDIN_STARTS": str(root / "starts.txt"),
+               "STANDIN_SPREAD": str(SPREAD), "STANDIN_WITHIN": str(WITHIN), "STANDIN_AGING": "0"}
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
+                                cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while not ((root / "state" / "orchestrator.db").exists()
+                   and len(rows(root, "SELECT 1 FROM sqlite_master WHERE name = 'calibration_blocks'")) == 1
+                   and len(rows(root, "SELECT * FROM calibration_blocks")) >= 2):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before two A/A blocks"
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+        first[root] = rows(root, "SELECT * FROM calibration_blocks ORDER BY id")[:2]
+        assert not rows(root, "SELECT * FROM calibrations")
+    same, moved = roots
+    cli(same, "run")
+    [c] = rows(same, "SELECT * FROM calibrations")
+    assert c["run_id"] == 2 and c["starts"] == 3
+    summary = json.loads(c["summary"])
+    assert summary["aa_carried"] == [b["step_id"] for b in first[same]]
+    assert summary["aa_judged"] == 3 and len(summary["blocks"]) == 3
+    assert [[b["base"], b["cand"]] for b in summary["blocks"][:2]] == [
+        [json.loads(b["block"])["base"], json.loads(b["block"])["cand"]] for b in first[same]]
+    steps = rows(same, "SELECT * FROM steps WHERE kind = 'calibration' ORDER BY id")
+    assert [(s["run_id"], s["plugin"]) for s in steps][-1] == (2, "(A/A 3)")
+    assert [s["plugin"] for s in steps if s["run_id"] == 2] == ["(A/A 3)"]
+    assert c["between_df"] == 2  # three blocks, as one calibration
+    status = json.loads(cli(same, "status", "--json").stdout)
+    assert status["calibration"]["aa_judged"] == 3 and {s["plugin"] for s in status["steps"]} == {"no-op-0"}
+    # another environment: the blocks measured in the first are stale, and all three are measured again
+    env_moved = {"ORCHESTRATOR_FINGERPRINT_EXTRA": json.dumps({"gpu_driver": "another"})}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
+                          cwd=moved, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "STANDIN_STARTS": str(moved / "starts.txt"),
+                               "STANDIN_SPREAD": str(SPREAD), "STANDIN_WITHIN": str(WITHIN), **env_moved})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [c] = rows(moved, "SELECT * FROM calibrations")
+    assert json.loads(c["summary"])["aa_carried"] == []
+    assert [s["plugin"] for s in rows(moved, "SELECT * FROM steps WHERE kind = 'calibration' AND run_id = 2")] == [
+        "(A/A 1)", "(A/A 2)", "(A/A 3)"]
