@@ -184,7 +184,7 @@ case ${1:-} in
         # compiled so far (each poll's cache is the newest: `unpack` replaces the one here with it)
         if [[ -n ${OUT:-} && -f $WORK/state/orchestrator.db ]]; then
             pack "$OUT"
-            jit_cache "$OUT/jit-cache.tgz" > /dev/null
+            jit_cache "$OUT/jit-cache.tgz" | sed 's/^/JIT cache: /'  # the sizes: whether Triton's could travel
         fi
         ;;
     compare)
