@@ -14,8 +14,9 @@
    sequence and layer in float32) plus q, k, v, g, beta and o.
 4. Prefill: packed sequences; the floor is the same bytes (inputs, output, states once).
 5. Where a chunked prefill spends its GPU time, kernel by kernel (torch.profiler).
-6. Launch parameters of the two Triton kernels, best first (``triton_chunk``: chunk, value block,
-   warps and stages of its scan, warps of its prepare kernel; "default" is what the op chooses).
+6. Launch parameters of the two Triton kernels, best first (``triton_recurrent``: value block and warps, with the
+   float32 state and, in a 16-bit run, the 16-bit one; ``triton_chunk``: chunk, value block, warps and stages of
+   its scan, warps of its prepare kernel; "default" is what the op chooses).
 
 Each table prints as soon as it is done; the last stdout line is one JSON object, and with ``$OUT``
 set every measurement goes to ``$OUT/gdn_report.json`` too.
@@ -168,13 +169,18 @@ CHUNK_CONFIGS = [dict(chunk_size=c, block_v=b, num_warps=w, num_stages=st, prepa
 
 def tuning(rep: Report, setup: Setup, gbps: float) -> None:
     rows, quick = [], setup.quick or setup.small
-    args, nbytes, _ = setup.workload(setup.tuning_batch, 1)
     rec = kernels.get(OP, "triton_recurrent")
-    for block_v in ([32] if quick else [16, 32, 64]):
-        for warps in ([4] if quick else [1, 2, 4]):
-            ms = setup.time(lambda: rec(**args, block_v=block_v, num_warps=warps))
-            rows.append([f"triton_recurrent decode {setup.tuning_batch}", f"block_v {block_v}, warps {warps}", ms,
-                         f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
+    # the state as the model declares it (float32) and, in a 16-bit run, 16-bit (mamba-ssm-cache-dtype): half the
+    # bytes, so the tile that streams best may differ
+    for narrow in (False, True) if setup.dtype != torch.float32 else (False,):
+        args, nbytes, _ = setup.workload(setup.tuning_batch, 1, narrow_state=narrow)
+        state = "16-bit" if narrow else "float32"
+        for block_v in ([32] if quick else [16, 32, 64, 128]):
+            for warps in ([4] if quick else [1, 2, 4, 8]):
+                ms = setup.time(lambda: rec(**args, block_v=block_v, num_warps=warps))
+                rows.append([f"triton_recurrent decode {setup.tuning_batch}, {state} state",
+                             f"block_v {block_v}, warps {warps}", ms,
+                             f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
     chunk = kernels.get(OP, "triton_chunk")
     for seqs, tokens in [setup.tuning_prefill] + ([] if quick else [(1, 8192)]):
         args, nbytes, _ = setup.workload(seqs, tokens)
