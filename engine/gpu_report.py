@@ -940,8 +940,8 @@ def main(argv=None) -> int:
                    help="the model of the graphs, engine and profile sections (default: the hybrid one)")
     p.add_argument("--layers", type=int, default=40, help="engine and profile sections: how many of the model's layers")
     p.add_argument("--state-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="engine and profile sections: the Gated DeltaNet recurrent state (mamba-ssm-cache-dtype; auto: "
-                        "the model's, float32)")
+                   help="engine and profile sections: the Gated DeltaNet recurrent state (mamba-ssm-cache-dtype; "
+                        "auto: the model's, float32)")
     p.add_argument("--graph-layers", type=int, default=4,
                    help="graphs section: the first layers of --model (4: three Gated DeltaNet and one attention)")
     p.add_argument("--graph-dtypes", default="float32",

@@ -68,8 +68,8 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
                for b in blocks for x in b["samples"]]  # every judged sample
     metrics = [(x.server, x.metrics) for x in samples]  # (server, metrics) of every judged sample
     if blocks:
-        store.event(run.run_id, "calibration", f"A/A: {len(blocks)} block(s) measured by the run(s) this one continues "
-                    f"({', '.join(str(r) for r in carry)}) count; {starts - len(blocks)} to measure")
+        store.event(run.run_id, "calibration", f"A/A: {len(blocks)} block(s) measured by the run(s) this one "
+                    f"continues ({', '.join(str(r) for r in carry)}) count; {starts - len(blocks)} to measure")
     for j in range(len(blocks), starts):
         step_id = store.new_step(run.run_id, label(j), "measuring", kind=KIND, objective=prober.objective)
         cand = Arm(list(kept.arm.holding))
@@ -87,8 +87,9 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
         judged = [*verdict.base, *verdict.cand]
         samples += judged
         metrics += [(x.server, x.metrics) for x in judged]
-        blocks.append({"step": step_id, "run": run.run_id, "holding": list(kept.arm.holding), "logs": logs, "finished": time.time(),
-                       "base": [s.value for s in verdict.base], "cand": [s.value for s in verdict.cand],
+        blocks.append({"step": step_id, "run": run.run_id, "holding": list(kept.arm.holding), "logs": logs,
+                       "finished": time.time(), "base": [s.value for s in verdict.base],
+                       "cand": [s.value for s in verdict.cand],
                        "starts": [[b.server, c.server] for b, c in zip(verdict.base, verdict.cand)],
                        "samples": [{"value": x.value, "server": x.server, "segment": x.segment, "at": x.at,
                                     "fresh": x.fresh, "terms": term_metrics(x.metrics)} for x in judged]})
