@@ -14,9 +14,9 @@
    sequence and layer in float32) plus q, k, v, g, beta and o.
 4. Prefill: packed sequences; the floor is the same bytes (inputs, output, states once).
 5. Where a chunked prefill spends its GPU time, kernel by kernel (torch.profiler).
-6. Launch parameters of the two Triton kernels, best first (``triton_recurrent``: value block and warps, with the
-   float32 state and, in a 16-bit run, the 16-bit one; ``triton_chunk``: chunk, value block, warps and stages of
-   its scan, warps of its prepare kernel; "default" is what the op chooses).
+6. Launch parameters of the Triton kernels timed, best first (``triton_recurrent``: value block and warps at
+   batch 128 and 256, with the float32 state and, in a 16-bit run, the 16-bit one; ``triton_chunk``: chunk, value
+   block, warps and stages of its scan, warps of its prepare kernel; "default" is what the op chooses).
 
 Each table prints as soon as it is done; the last stdout line is one JSON object, and with ``$OUT``
 set every measurement goes to ``$OUT/gdn_report.json`` too.
@@ -47,7 +47,7 @@ class Setup:
         self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.dims = dict(num_heads=4, num_k_heads=2, head_k=32, head_v=32) if small else bench.GDN
         self.decode_batches = [4] if small else [256] if quick else [1, 32, 128, 256]
-        self.tuning_batch = 4 if small else 256
+        self.tuning_batches = [4] if small else [256] if quick else [128, 256]
         self.prefills = [(2, 40)] if small else [(1, 8192)] if quick else [(1, 8192), (8, 1024), (32, 1000)]
         self.tuning_prefill = (2, 40) if small else (8, 1024)
 
@@ -167,22 +167,30 @@ CHUNK_CONFIGS = [dict(chunk_size=c, block_v=b, num_warps=w, num_stages=st, prepa
                                          (64, 16, 4, 2, 2)]]
 
 
-def tuning(rep: Report, setup: Setup, gbps: float) -> None:
+def tuning(rep: Report, setup: Setup, gbps: float, timed: list[str]) -> None:
+    """Launch parameters of the Triton variants that passed, each kernel's rows best first; "default" marks
+    the parameters a call without them gets (``gdn_triton.recurrent_launch``, ``chunk_configs``)."""
     rows, quick = [], setup.quick or setup.small
-    rec = kernels.get(OP, "triton_recurrent")
-    # the state as the model declares it (float32) and, in a 16-bit run, 16-bit (mamba-ssm-cache-dtype): half the
-    # bytes, so the tile that streams best may differ
-    for narrow in (False, True) if setup.dtype != torch.float32 else (False,):
-        args, nbytes, _ = setup.workload(setup.tuning_batch, 1, narrow_state=narrow)
-        state = "16-bit" if narrow else "float32"
-        for block_v in ([32] if quick else [16, 32, 64, 128]):
-            for warps in ([4] if quick else [1, 2, 4, 8]):
-                ms = setup.time(lambda: rec(**args, block_v=block_v, num_warps=warps))
-                rows.append([f"triton_recurrent decode {setup.tuning_batch}, {state} state",
-                             f"block_v {block_v}, warps {warps}", ms,
-                             f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
+    if "triton_recurrent" in timed:
+        from kernels import gdn_triton  # Triton: only where its variants run
+        rec = kernels.get(OP, "triton_recurrent")
+        # the state as the model declares it (float32) and, in a 16-bit run, 16-bit (mamba-ssm-cache-dtype):
+        # half the bytes, so the tile that streams best differs
+        for narrow in (False, True) if setup.dtype != torch.float32 else (False,):
+            for batch in setup.tuning_batches:
+                args, nbytes, _ = setup.workload(batch, 1, narrow_state=narrow)
+                bv, w = gdn_triton.recurrent_launch(args["initial_state"].dtype)
+                default = (min(bv, setup.dims["head_v"]), w)
+                state = "16-bit" if narrow else "float32"
+                for block_v in ([32] if quick else [16, 32, 64, 128]):
+                    for warps in ([4] if quick else [1, 2, 4, 8]):
+                        ms = setup.time(lambda: rec(**args, block_v=block_v, num_warps=warps))
+                        rows.append([f"triton_recurrent decode {batch}, {state} state",
+                                     f"block_v {block_v}, warps {warps}"
+                                     + (" (default)" if (block_v, warps) == default else ""), ms,
+                                     f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
     chunk = kernels.get(OP, "triton_chunk")
-    for seqs, tokens in [setup.tuning_prefill] + ([] if quick else [(1, 8192)]):
+    for seqs, tokens in ([setup.tuning_prefill] + ([] if quick else [(1, 8192)])) if "triton_chunk" in timed else []:
         args, nbytes, _ = setup.workload(seqs, tokens)
         for cfg in [{}] + (CHUNK_CONFIGS[:2] if quick else CHUNK_CONFIGS):
             ms = setup.time(lambda: chunk(**args, **cfg))
@@ -248,8 +256,8 @@ def main(argv=None) -> int:
     prefill_table(rep, setup, gbps, timed)
     if "triton_chunk" in timed and a.device == "cuda":
         breakdown(rep, setup)
-    if "triton_recurrent" in timed and "triton_chunk" in timed:
-        tuning(rep, setup, gbps)
+    if {"triton_recurrent", "triton_chunk"} & set(timed):
+        tuning(rep, setup, gbps, timed)
     path = a.json or (os.path.join(os.environ["OUT"], "gdn_report.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:

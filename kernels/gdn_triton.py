@@ -186,9 +186,23 @@ def _setup(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_slots, bloc
     return n, qf, kf, vf, gf, bf, buf, slots, returned, out, scale, block_v
 
 
+# the recurrent kernel's launch parameters by the state's element size: the tiles that streamed the
+# Qwen3.6 decode step (32 heads of 128 x 128, batch 128 and 256) fastest on an H100 (BENCHMARKS.md, "The
+# recurrence's launch parameters"): a float32 state in 64-column blocks of 4 warps, a 16-bit one in 32-column
+# blocks of a single warp (the block's 8 KiB; more warps only split its rows finer); others as before
+RECURRENT_LAUNCH = {4: (64, 4), 2: (32, 1)}
+
+
+def recurrent_launch(state_dtype: torch.dtype, block_v=None, num_warps=None) -> tuple[int, int]:
+    """(block_v, num_warps) of the recurrent kernel for a state of ``state_dtype``; arguments given pin theirs."""
+    bv, warps = RECURRENT_LAUNCH.get(state_dtype.itemsize, (32, 4))
+    return block_v or bv, num_warps or warps
+
+
 def gated_delta_rule_triton_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                       use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_slots=None,
-                                      block_v=32, num_warps=4):
+                                      block_v=None, num_warps=None):
+    block_v, num_warps = recurrent_launch(gdn.state_dtype(q, initial_state), block_v, num_warps)
     n, qf, kf, vf, gf, bf, buf, slots, returned, out, scale, block_v = _setup(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, state_slots, block_v)
     h, dk, dv = vf.shape[1], qf.shape[2], vf.shape[2]

@@ -130,6 +130,24 @@ def test_triton_chunk_and_value_blocks(variant, kw):
     assert check.check_one(fn, kernels.get(OP, "reference"), args) < check.TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("dtype,narrow", [(torch.float32, False), (torch.float16, True)])
+def test_the_recurrent_default_tile_follows_the_state_dtype_and_stays_correct(dtype, narrow):
+    """The decode kernel's value block and warps are picked by the state's element size (a float32 state in
+    64-column blocks, a 16-bit one in 32-column blocks of one warp); at head size 128, where either tile splits
+    a head's state into several blocks, the default launch is within the dtype's tolerance of float64, and
+    arguments given still pin the tile."""
+    from kernels import gdn_triton
+    state = torch.float16 if narrow else torch.float32
+    block_v, warps = gdn_triton.recurrent_launch(state)
+    assert (block_v, warps) == ((32, 1) if narrow else (64, 4))
+    assert gdn_triton.recurrent_launch(state, block_v=16, num_warps=8) == (16, 8)
+    args = inputs.gated_delta_rule([1, 1, 1], num_heads=2, head_k=16, head_v=128, slots=True, narrow_state=narrow,
+                                   dtype=dtype, seed=21)
+    assert args["initial_state"].dtype == state
+    fn, ref = kernels.get(OP, "triton_recurrent"), kernels.get(OP, "reference")
+    assert check.check_slots(fn, ref, args, OP) <= check.TOLERANCE[dtype]
+
+
 def test_triton_rejects_head_sizes_it_cannot_tile():
     args = inputs.gated_delta_rule([4], num_heads=2, head_k=24, head_v=16, seed=0)
     with pytest.raises(ValueError, match="head size K"):
