@@ -1,5 +1,6 @@
 """The latest serving samples of a staged run, one line each, read from its history (read-only): which server gave
-each, its score and output rate, the TPOT, and the warm-up before a fresh server's first window (its seconds, each
+each, its score and output rate, the TPOT (and vLLM's own inter-token latency and iterations, the client's share of
+a core, where recorded), and the warm-up before a fresh server's first window (its seconds, each
 step's output rate, whether it settled). `run.sh status` prints them, so that a run on the GPU shows as it goes
 whether fresh servers' first windows measure like the later ones. Then each configuration reading (the `vllm-config`
 probe's) against the baseline's: the same, or the keys it differs in, so that a run shows which changes its
@@ -24,6 +25,11 @@ def lines(db: Path, n: int = 8) -> list[str]:
         m = json.loads(metrics or "{}")
         line = (f"step {step if step is not None else '-'} {arm} #{repeat + 1} server {server}: score {value:,.0f}, "
                 f"{m.get('output_throughput', 0):,.0f} out tok/s, TPOT {m.get('mean_tpot_ms', 0):.1f} ms")
+        if "server_itl_ms" in m:  # vLLM's own view: a slow window the server's, or the client's
+            line += (f" (server: ITL {m['server_itl_ms']:.1f} ms, {m.get('server_iterations', 0):,} iterations of "
+                     f"{m.get('server_iteration_ms', 0):.1f} ms, {m.get('server_preemptions', 0)} preempted)")
+        if "client_busy" in m:
+            line += f"; client {m['client_busy']:.0%} of a core"
         if "warmup_seconds" in m:
             rates = " ".join(f"{r:,.0f}" for r in m.get("warmup_rates", []))
             settled = {True: ", settled", False: ", NOT settled"}.get(m.get("warmup_settled"), "")

@@ -353,11 +353,20 @@ SERVER_STEPS = {"steps": "engine:steps", "step_seconds": "engine:step_seconds",
                 "step_ended": "engine:last_step_end_time_seconds"}
 STEP_POLL = 0.05  # seconds between two readings while a window waits for its first step end
 
+# what vLLM says of a window besides its tokens: its own inter-token latency, its engine iterations (the count and
+# sum of its iteration-tokens histogram), preemptions and queueing. A window slower than its neighbours is then the
+# server's (its inter-token latency and iterations slower too) or the client's (the server's as usual)
+SERVER_VLLM = {"itl_sum": "vllm:inter_token_latency_seconds#sum",
+               "itl_count": "vllm:inter_token_latency_seconds#count",
+               "iterations": "vllm:iteration_tokens_total#count", "iteration_tokens": "vllm:iteration_tokens_total#sum",
+               "preemptions": "vllm:num_preemptions",
+               "queue_sum": "vllm:request_queue_time_seconds#sum", "queue_count": "vllm:request_queue_time_seconds#count"}
+
 
 async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ...] = ()) -> dict[str, float] | None:
     """The server's counters and gauges `names` ({key: family name}; a counter summed over its labels' ``_total``
-    samples, a gauge over its labels' values) from /metrics; None when it answers none, or lacks one of them that
-    is not `optional`."""
+    samples, a gauge over its labels' values, ``family#sum`` and ``family#count`` a histogram's) from /metrics;
+    None when it answers none, or lacks one of them that is not `optional`."""
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
             resp = await client.get(f"{base_url}/metrics")
@@ -367,17 +376,25 @@ async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ..
         return None
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(resp.text):
-        for key, name in names.items():
-            if family.name == name:
+        for key, spec in names.items():
+            name, _, part = spec.partition("#")
+            if family.name != name:
+                continue
+            if part:
+                found[key] = sum(s.value for s in family.samples if s.name == f"{name}_{part}")
+            else:
                 found[key] = sum(s.value for s in family.samples
                                  if s.name.endswith("_total") or family.type == "gauge")
     return found if all(key in found for key in names if key not in optional) else None
 
 
 async def server_tokens(base_url: str) -> dict[str, float] | None:
-    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated, and of its steps
-    where it has them; None where it lacks either count of tokens (vLLM counts a prompt only at its first output)."""
-    return await counters(base_url, {**SERVER_TOKENS, **SERVER_STEPS}, optional=tuple(SERVER_STEPS))
+    """The server's own counts of prompt tokens computed (chunk by chunk) and tokens generated, of its steps, and
+    vLLM's figures of its iterations and latency (``SERVER_VLLM``), each where it has them; None where it answers
+    no /metrics. Its token counts replace the client's only where it has both (vLLM counts a prompt only at its
+    first output, so it has no count of prompt tokens computed)."""
+    names = {**SERVER_TOKENS, **SERVER_STEPS, **SERVER_VLLM}
+    return await counters(base_url, names, optional=tuple(names))
 
 
 async def prefix_cache_hits(base_url: str) -> float | None:

@@ -101,8 +101,8 @@ def window_result(outcomes: list[Outcome], start: float, end: float, counters: d
         result["gpus"] = gpus
     result.update(host or {})
     result["tokens_source"] = "client"
-    if counters:
-        duration = result["duration"]
+    duration = result["duration"]
+    if "prefill" in counters and "generation" in counters:
         if counters.get("step_ended", 0) > 0 and counters.get("steps", 0) > 0:
             # whole steps over the time they took, from one step's end to another's (client.at_step_end)
             duration = result["rate_seconds"] = counters["step_ended"]
@@ -118,7 +118,26 @@ def window_result(outcomes: list[Outcome], start: float, end: float, counters: d
             result.update(server_steps=round(counters["steps"]),
                           server_step_ms=1e3 * counters["step_seconds"] / counters["steps"],
                           server_step_busy=counters["step_seconds"] / duration)
+    result.update(server_figures(counters, duration))
     return result, cached, source
+
+
+def server_figures(counters: dict[str, float], duration: float) -> dict[str, float]:
+    """vLLM's own view of a window (``client.SERVER_VLLM``): its mean inter-token latency, its iterations (how
+    many, their mean length over the window, tokens per iteration), preemptions and mean queueing of the requests
+    admitted in it. Beside the client's TPOT, a slow window is told as the server's or the client's."""
+    out: dict[str, float] = {}
+    if counters.get("itl_count"):
+        out["server_itl_ms"] = 1e3 * counters["itl_sum"] / counters["itl_count"]
+    if counters.get("iterations"):
+        out.update(server_iterations=round(counters["iterations"]),
+                   server_iteration_ms=1e3 * duration / counters["iterations"],
+                   server_tokens_per_iteration=counters.get("iteration_tokens", 0.0) / counters["iterations"])
+    if "preemptions" in counters:
+        out["server_preemptions"] = round(counters["preemptions"])
+    if counters.get("queue_count"):
+        out["server_queue_ms"] = 1e3 * counters["queue_sum"] / counters["queue_count"]
+    return out
 
 
 def with_score(result: dict, cached_tokens: float, weights: tuple[float, float, float]) -> dict:

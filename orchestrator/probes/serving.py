@@ -239,7 +239,7 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
     score, CPU figures."""
     cpu_clock = server_cpu_clock(args, server)
     lag = None
-    client_cpu = time.process_time()
+    client_clock = time.process_time(), time.perf_counter()
     if workload.steady:
         w = await drive_steady(base_url, model, workload, args.request_timeout, cpu_clock, start_at)
         if start_at is not None:  # the fill's length is the state's own: it is part of the lag
@@ -261,11 +261,12 @@ async def measure_window(base_url: str, model: str, workload: Workload, args: ar
         else:
             cached, source = 0, "none"
         result = summarize(outcomes, duration)
-    return described(result, cached, source, cpu, base_url, model, workload, args, client_cpu, lag)
+    return described(result, cached, source, cpu, base_url, model, workload, args, client_clock, lag)
 
 
 def described(result: dict, cached: float, source: str, cpu: float | None, base_url: str, model: str,
-              workload: Workload, args: argparse.Namespace, client_cpu: float, lag: float | None) -> dict:
+              workload: Workload, args: argparse.Namespace, client_clock: tuple[float, float],
+              lag: float | None) -> dict:
     """A pass's result with the workload it ran, the score and the CPU figures."""
     result.update({"backend": "openai", "model_id": model, "base_url": base_url,
                    "num_prompts": workload.num_prompts,
@@ -274,8 +275,11 @@ def described(result: dict, cached: float, source: str, cpu: float | None, base_
                    "output_len": workload.output_len,
                    "shared_prefix_fraction": workload.shared_prefix_fraction,
                    "seed": workload.seed, "cached_tokens_source": source})
-    # the client's own CPU time over the pass: near the window's length, the client itself was the bottleneck
-    result["client_cpu_seconds"] = time.process_time() - client_cpu
+    # the client's own CPU time over the pass (from ``client_clock``, its CPU and wall clocks at the pass's start),
+    # and the share of one core that is: near 1, the client itself, one asyncio thread, bounded the pass
+    cpu_start, wall_start = client_clock
+    result["client_cpu_seconds"] = time.process_time() - cpu_start
+    result["client_busy"] = result["client_cpu_seconds"] / max(time.perf_counter() - wall_start, 1e-9)
     if lag is not None:
         result["start_lag_seconds"] = lag  # how late after the agreed instant the window began
     if args.server_pid:
@@ -374,7 +378,8 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
                 await set_paused(load.client, base_url, False)
                 paused = False
                 await asyncio.sleep(TURN_RAMP)
-                client_cpu, start, started = time.process_time(), time.perf_counter(), time.time()
+                client_clock = time.process_time(), time.perf_counter()
+                start, started = client_clock[1], time.time()
                 end = start + workload.duration
                 watched = await watch_window(base_url, end, cpu_clock)
                 await set_paused(load.client, base_url, True)
@@ -382,8 +387,8 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
                 result, cached, source = window_result(load.outcomes, start, end, watched.counters, watched.gpus,
                                                        watched.host)
                 result.update(ramp=TURN_RAMP, turn=turns, window_started=started, **(fill if turns == 0 else {}))
-                result = described(result, cached, source, watched.cpu, base_url, model, workload, args, client_cpu,
-                                   None)
+                result = described(result, cached, source, watched.cpu, base_url, model, workload, args,
+                                   client_clock, None)
                 result["pair"] = args.pair
                 if reason := failure(result, args.max_failed_fraction):
                     result["error"] = reason

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from orchestrator.probes.client import watch_window
 from orchestrator.probes.results import window_result, with_score
@@ -73,3 +73,53 @@ def test_a_server_without_step_ends_is_rated_over_the_window():
     stale = {"generation": 1000.0, "prefill": 50.0, "steps": 0.0, "step_seconds": 0.0, "step_ended": 0.0}
     result, _, _ = window_result([], 0.0, 10.0, stale, None)  # no step ended inside it: nothing to span
     assert "rate_seconds" not in result and result["output_throughput"] == 100.0
+
+
+class VllmIterations:
+    """vLLM 0.34.0's view of its engine in its own families: an iteration every STEP seconds, each of TOKENS tokens
+    with an inter-token latency of ITL seconds per token (histograms, labelled by model, with buckets), a
+    preemption every fourth iteration, and no count of prompt tokens computed."""
+
+    def __init__(self):
+        self.born = time.time()
+
+    def collect(self):
+        k = int((time.time() - self.born) / STEP)
+        for name, count, total in (("vllm:inter_token_latency_seconds", TOKENS * k, ITL * TOKENS * k),
+                                   ("vllm:iteration_tokens_total", k, TOKENS * k)):
+            family = HistogramMetricFamily(name, name, labels=["model_name"])
+            family.add_metric(["qwen36"], buckets=[("1.0", count), ("+Inf", count)], sum_value=total)
+            yield family
+        family = CounterMetricFamily("vllm:num_preemptions", "", labels=["model_name"])
+        family.add_metric(["qwen36"], k // 4)
+        yield family
+        family = CounterMetricFamily("vllm:generation_tokens", "", labels=["model_name"])
+        family.add_metric(["qwen36"], TOKENS * k)
+        yield family
+
+
+ITL = 0.031
+
+
+def test_a_vllm_window_carries_the_servers_own_latency_and_iterations():
+    """vLLM has no count of prompt tokens computed, so the client's counts stay the window's; beside them, its own
+    inter-token latency (a histogram's sum over its count, not its buckets), its iterations, their mean length and
+    tokens, and its preemptions over the window: a window slower than its neighbours is then told as the server's
+    or the client's."""
+    registry = CollectorRegistry()
+    registry.register(VllmIterations())
+    httpd, _ = start_http_server(0, "127.0.0.1", registry)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        start = time.perf_counter()
+        watched = asyncio.run(watch_window(url, start + 1.5))
+    finally:
+        httpd.shutdown()
+    result, _, _ = window_result([], start, start + 1.5, watched.counters, None)
+    assert result["tokens_source"] == "client"
+    assert result["server_itl_ms"] == pytest.approx(1e3 * ITL)
+    assert 5 <= result["server_iterations"] <= 7  # 1.5 s of 0.25-s iterations, each end a reading's
+    assert result["server_iteration_ms"] == pytest.approx(1.5e3 / result["server_iterations"])
+    assert result["server_tokens_per_iteration"] == pytest.approx(TOKENS)
+    assert 1 <= result["server_preemptions"] <= 2
+    assert "server_queue_ms" not in result  # a family it does not publish stays out

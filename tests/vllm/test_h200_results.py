@@ -132,6 +132,27 @@ def test_a_settled_warm_up_shows_its_rates(tmp_path):
                                         "warm-up 15.0 s (rates 3,100 4,200 4,480 4,470), settled"]
 
 
+def test_a_sample_shows_the_servers_own_latency_and_the_clients_load(tmp_path):
+    """Where a window recorded vLLM's own inter-token latency and iterations and the client's share of a core,
+    its line shows them: a window slower than its neighbours is the server's or the client's."""
+    import json
+    import sys
+    sys.path.insert(0, str(SCRIPT.parent))
+    from samples import lines
+
+    db = sqlite3.connect(tmp_path / "h.db")
+    db.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, step_id INTEGER, arm TEXT, repeat INTEGER, "
+               "server INTEGER, value REAL, metrics TEXT, role TEXT, ok INTEGER)")
+    metrics = {"output_throughput": 3406.3, "mean_tpot_ms": 41.0, "server_itl_ms": 40.2, "server_iterations": 331,
+               "server_iteration_ms": 30.2, "server_preemptions": 0, "client_busy": 0.552}
+    db.execute("INSERT INTO measurements VALUES (1, 3, 'baseline', 0, 7, 105635, ?, 'throughput', 1)",
+               (json.dumps(metrics),))
+    db.commit()
+    assert lines(tmp_path / "h.db") == [
+        "step 3 baseline #1 server 7: score 105,635, 3,406 out tok/s, TPOT 41.0 ms (server: ITL 40.2 ms, 331 iterations "
+        "of 30.2 ms, 0 preempted); client 55% of a core"]
+
+
 def test_configuration_readings_show_what_differs_from_the_baseline(tmp_path):
     """Each `vllm-config` reading after the baseline's: the baseline's, or its differing keys (old and new value)."""
     import json
