@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Downloads, into ./.whl (ignored by git), the wheels the orchestrator and the engine server need on a
-# GPU machine that has no package index but has torch, triton, numpy, scipy, httpx, rich, typer (with
-# click and annotated-doc), psutil, matplotlib (with python-dateutil), prometheus-client and pyyaml (the
-# H200 image, Python 3.12). Each wheel's own Requires-Dist is covered:
+# GPU machine that has no package index but has torch, triton, numpy, scipy, httpx, aiohttp, rich, typer
+# (with click and annotated-doc), psutil, matplotlib (with python-dateutil), prometheus-client and pyyaml
+# (the H200 image, Python 3.12). Each wheel's own Requires-Dist is covered:
 #   pydantic -> pydantic-core, annotated-types, typing-inspection (typing-extensions: torch has it)
 #   fastapi -> starlette (anyio: httpx has it), annotated-doc (typer has it); uvicorn -> h11 (httpx has it)
 #   sqlite-utils -> sqlite-fts4, click-default-group, tabulate, pluggy (click, python-dateutil, pip: there)

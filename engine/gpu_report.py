@@ -671,12 +671,9 @@ async def _served_batch(url: str, model: str, workload, pid: int) -> tuple[list,
     server's counters and its threads' CPU seconds, each as the difference over that time."""
     import asyncio
 
-    import httpx
+    from orchestrator.probes.client import send, server_tokens, session
 
-    from orchestrator.probes.client import send, server_tokens
-
-    limits = httpx.Limits(max_connections=workload.num_prompts, max_keepalive_connections=workload.num_prompts)
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+    async with session(workload.num_prompts, 3600) as client:
         before, cpu_before = await server_tokens(url), _thread_cpu(pid)
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*(send(client, f"{url}/v1/completions", model, prompt, n)

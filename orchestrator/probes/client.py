@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-import httpx
+import aiohttp
 import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,7 +46,16 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each streamed chunk
 
 
-async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+def session(connections: int, timeout: float) -> aiohttp.ClientSession:
+    """The HTTP client of a load: ``connections`` kept open, and ``timeout`` seconds for a connection or between two
+    reads of a stream (not for a whole request: one of 2,000 tokens streams for minutes). aiohttp, as `vllm bench
+    serve`: a streamed token costs it a third of the CPU httpx's client took (benchmarks/client_cost.py), so that
+    one client thread keeps 200 streams of a fast server fed."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout))
+
+
+async def send(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
                max_tokens: int, out: Outcome | None = None) -> Outcome:
     """One streaming completion, timed the way `vllm bench serve` times it; into `out` as it streams, so that a
     request cancelled midway keeps what it received."""
@@ -57,20 +66,20 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     start = last = time.perf_counter()
     chunks, done = 0, False
     try:
-        async with client.stream("POST", url, json=payload) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+        async with client.post(url, json=payload) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:300]}"
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in resp.content:  # one line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     done = True
                     break
                 msg = json.loads(data)
                 if not isinstance(msg, dict):
-                    out.error = f"stream event is not a JSON object: {data[:100]}"
+                    out.error = f"stream event is not a JSON object: {data[:100].decode(errors='replace')}"
                     return out
                 if "error" in msg:
                     out.error = f"server error in stream: {msg['error']}"
@@ -88,7 +97,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                     out.prompt_len = usage.get("prompt_tokens", out.prompt_len)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens")
-    except (httpx.HTTPError, httpx.StreamError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: bad JSON, a line too long
         out.error = f"{type(exc).__name__}: {exc}"
         return out
     out.latency = time.perf_counter() - start
@@ -112,8 +121,7 @@ async def drive(base_url: str, model: str, workload: Workload, request_timeout: 
     requests, delays = workload.requests(), workload.delays()
     limit = workload.max_concurrency or len(requests)
     gate = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
+    async with session(limit, request_timeout) as client:
         first = await send(client, url, model, *requests[0])
         if not first.success:
             raise ProbeError(f"the initial test request failed: {first.error}")
@@ -142,8 +150,8 @@ FILL_HOLD = 1.0
 FILL_HOLD_STEPS = 4
 
 
-def keep_filled(client: httpx.AsyncClient, url: str, model: str, workload: Workload, stream, outcomes: list[Outcome],
-                running: Callable[[], bool]) -> tuple[list[Outcome], list[asyncio.Task]]:
+def keep_filled(client: aiohttp.ClientSession, url: str, model: str, workload: Workload, stream,
+                outcomes: list[Outcome], running: Callable[[], bool]) -> tuple[list[Outcome], list[asyncio.Task]]:
     """The steady state's load: ``max_concurrency`` request loops, the first wave's output lengths from
     ``Workload.fill``, each request replaced by the stream's next one as it ends while ``running()``. Returns the
     first wave and the loops; every request sent goes into ``outcomes``."""
@@ -211,7 +219,7 @@ async def wait_for_fill(wave: list[Outcome], outcomes: list[Outcome], limit: flo
 class Load:
     """A steady state's load as it runs: every request sent (into `outcomes`, as sent), the first wave of them,
     and when it began (perf_counter)."""
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     outcomes: list[Outcome]
     wave: list[Outcome]
     begin: float
@@ -227,9 +235,7 @@ async def steady_load(base_url: str, model: str, workload: Workload, request_tim
     connections beside them for the probe's own calls."""
     url = f"{base_url}/v1/completions"
     stream = workload.stream()
-    limit = workload.concurrency + spare
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
+    async with session(workload.concurrency + spare, request_timeout) as client:
         prompt, _ = next(stream)
         first = await send(client, url, model, prompt, 1)  # the server answers: one token says so
         if not first.success:
@@ -360,7 +366,8 @@ SERVER_VLLM = {"itl_sum": "vllm:inter_token_latency_seconds#sum",
                "itl_count": "vllm:inter_token_latency_seconds#count",
                "iterations": "vllm:iteration_tokens_total#count", "iteration_tokens": "vllm:iteration_tokens_total#sum",
                "preemptions": "vllm:num_preemptions",
-               "queue_sum": "vllm:request_queue_time_seconds#sum", "queue_count": "vllm:request_queue_time_seconds#count"}
+               "queue_sum": "vllm:request_queue_time_seconds#sum",
+               "queue_count": "vllm:request_queue_time_seconds#count"}
 
 
 async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ...] = ()) -> dict[str, float] | None:
@@ -368,14 +375,14 @@ async def counters(base_url: str, names: dict[str, str], optional: tuple[str, ..
     samples, a gauge over its labels' values, ``family#sum`` and ``family#count`` a histogram's) from /metrics;
     None when it answers none, or lacks one of them that is not `optional`."""
     try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
-            resp = await client.get(f"{base_url}/metrics")
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
+        async with session(1, 10.0) as client, client.get(f"{base_url}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families(resp.text):
+    for family in text_string_to_metric_families(text):
         for key, spec in names.items():
             name, _, part = spec.partition("#")
             if family.name != name:
@@ -404,17 +411,17 @@ async def prefix_cache_hits(base_url: str) -> float | None:
 
 
 async def served_model(base_url: str) -> str:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        resp = await client.get(f"{base_url}/v1/models")
-    if resp.status_code != 200 or not resp.json().get("data"):
-        raise ProbeError(f"{base_url}/v1/models answered {resp.status_code} without a model")
-    return resp.json()["data"][0]["id"]
+    async with session(1, 10.0) as client, client.get(f"{base_url}/v1/models") as resp:
+        body = await resp.json(content_type=None) if resp.status == 200 else {}
+    if not isinstance(body, dict) or not body.get("data"):
+        raise ProbeError(f"{base_url}/v1/models answered {resp.status} without a model")
+    return body["data"][0]["id"]
 
 
-async def set_paused(client: httpx.AsyncClient, base_url: str, paused: bool) -> None:
+async def set_paused(client: aiohttp.ClientSession, base_url: str, paused: bool) -> None:
     """Pause the server keeping its requests where they are (the engine server's and vLLM's `POST /pause?mode=keep`),
     or resume it; ProbeError when it does not answer 200."""
     path = "/pause?mode=keep" if paused else "/resume"
-    answer = await client.post(base_url + path)
-    if answer.status_code != 200:
-        raise ProbeError(f"POST {path} answered HTTP {answer.status_code}: {answer.text[:300]}")
+    async with client.post(base_url + path) as answer:
+        if answer.status != 200:
+            raise ProbeError(f"POST {path} answered HTTP {answer.status}: {(await answer.text())[:300]}")

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
-import httpx
+import aiohttp
 from pydantic import ValidationError
 
 from orchestrator.probes.client import (Outcome, ProbeError, drive, drive_steady, prefilled, prefix_cache_hits,
@@ -399,7 +399,7 @@ async def take_turns(base_url: str, args: argparse.Namespace, lines: Callable[[]
             if paused:
                 try:
                     await set_paused(load.client, base_url, False)  # a paused server would wait out its shutdown
-                except (httpx.HTTPError, ProbeError):
+                except (aiohttp.ClientError, asyncio.TimeoutError, ProbeError):
                     pass
     return turns
 
@@ -417,8 +417,8 @@ def turns_main(args: argparse.Namespace) -> int:
     try:
         wait_healthy(base_url, args.health_timeout)
         emit({"turns": asyncio.run(take_turns(base_url, args, lines, emit))})
-    except (ProbeError, ServerFailed, httpx.HTTPError) as exc:
-        emit({"error": f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)})
+    except (ProbeError, ServerFailed, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        emit({"error": str(exc) if isinstance(exc, (ProbeError, ServerFailed)) else f"{type(exc).__name__}: {exc}"})
         return 1
     return 0
 

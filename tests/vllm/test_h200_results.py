@@ -149,8 +149,8 @@ def test_a_sample_shows_the_servers_own_latency_and_the_clients_load(tmp_path):
                (json.dumps(metrics),))
     db.commit()
     assert lines(tmp_path / "h.db") == [
-        "step 3 baseline #1 server 7: score 105,635, 3,406 out tok/s, TPOT 41.0 ms (server: ITL 40.2 ms, 331 iterations "
-        "of 30.2 ms, 0 preempted); client 55% of a core"]
+        "step 3 baseline #1 server 7: score 105,635, 3,406 out tok/s, TPOT 41.0 ms (server: ITL 40.2 ms, "
+        "331 iterations of 30.2 ms, 0 preempted); client 55% of a core"]
 
 
 def test_configuration_readings_show_what_differs_from_the_baseline(tmp_path):
