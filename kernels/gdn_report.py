@@ -167,30 +167,31 @@ CHUNK_CONFIGS = [dict(chunk_size=c, block_v=b, num_warps=w, num_stages=st, prepa
                                          (64, 16, 4, 2, 2)]]
 
 
-def tuning(rep: Report, setup: Setup, gbps: float, timed: list[str]) -> None:
-    """Launch parameters of the Triton variants that passed, each kernel's rows best first; "default" marks
-    the parameters a call without them gets (``gdn_triton.recurrent_launch``, ``chunk_configs``)."""
-    rows, quick = [], setup.quick or setup.small
-    if "triton_recurrent" in timed:
-        from kernels import gdn_triton  # Triton: only where its variants run
-        rec = kernels.get(OP, "triton_recurrent")
-        # the state as the model declares it (float32) and, in a 16-bit run, 16-bit (mamba-ssm-cache-dtype):
-        # half the bytes, so the tile that streams best differs
-        for narrow in (False, True) if setup.dtype != torch.float32 else (False,):
-            for batch in setup.tuning_batches:
-                args, nbytes, _ = setup.workload(batch, 1, narrow_state=narrow)
-                bv, w = gdn_triton.recurrent_launch(args["initial_state"].dtype)
-                default = (min(bv, setup.dims["head_v"]), w)
-                state = "16-bit" if narrow else "float32"
-                for block_v in ([32] if quick else [16, 32, 64, 128]):
-                    for warps in ([4] if quick else [1, 2, 4, 8]):
-                        ms = setup.time(lambda: rec(**args, block_v=block_v, num_warps=warps))
-                        rows.append([f"triton_recurrent decode {batch}, {state} state",
-                                     f"block_v {block_v}, warps {warps}"
-                                     + (" (default)" if (block_v, warps) == default else ""), ms,
-                                     f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
-    chunk = kernels.get(OP, "triton_chunk")
-    for seqs, tokens in ([setup.tuning_prefill] + ([] if quick else [(1, 8192)])) if "triton_chunk" in timed else []:
+def recurrent_rows(setup: Setup, gbps: float, quick: bool) -> list[list]:
+    """The recurrent kernel's value block and warps at each tuning batch, with the state as the model declares it
+    (float32) and, in a 16-bit run, 16-bit (mamba-ssm-cache-dtype): half the bytes, so the tile that streams best
+    differs. "(default)" marks what a call without them gets (``gdn_triton.recurrent_launch``)."""
+    from kernels import gdn_triton  # Triton: only where its variants run
+    rec, rows = kernels.get(OP, "triton_recurrent"), []
+    for narrow in (False, True) if setup.dtype != torch.float32 else (False,):
+        for batch in setup.tuning_batches:
+            args, nbytes, _ = setup.workload(batch, 1, narrow_state=narrow)
+            bv, w = gdn_triton.recurrent_launch(args["initial_state"].dtype)
+            default = (min(bv, setup.dims["head_v"]), w)
+            kernel = f"triton_recurrent decode {batch}, {'16-bit' if narrow else 'float32'} state"
+            for block_v in [32] if quick else [16, 32, 64, 128]:
+                for warps in [4] if quick else [1, 2, 4, 8]:
+                    ms = setup.time(lambda: rec(**args, block_v=block_v, num_warps=warps))
+                    rows.append([kernel, f"block_v {block_v}, warps {warps}"
+                                 + (" (default)" if (block_v, warps) == default else ""), ms,
+                                 f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
+    return rows
+
+
+def chunk_rows(setup: Setup, gbps: float, quick: bool) -> list[list]:
+    """The chunked prefill's chunk, value block, warps and stages ("default": ``chunk_configs``' choice)."""
+    chunk, rows = kernels.get(OP, "triton_chunk"), []
+    for seqs, tokens in [setup.tuning_prefill] + ([] if quick else [(1, 8192)]):
         args, nbytes, _ = setup.workload(seqs, tokens)
         for cfg in [{}] + (CHUNK_CONFIGS[:2] if quick else CHUNK_CONFIGS):
             ms = setup.time(lambda: chunk(**args, **cfg))
@@ -198,6 +199,14 @@ def tuning(rep: Report, setup: Setup, gbps: float, timed: list[str]) -> None:
                 "stages {num_stages}, prepare warps {prepare_warps}".format(**cfg)
             rows.append([f"triton_chunk prefill {seqs} x {tokens}", label, ms,
                          f"{nbytes / gbps / 1e6 / ms:.0%}" if ms else "n/a"])
+    return rows
+
+
+def tuning(rep: Report, setup: Setup, gbps: float, timed: list[str]) -> None:
+    """Launch parameters of the Triton variants that passed, each kernel's rows best first."""
+    quick = setup.quick or setup.small
+    rows = ((recurrent_rows(setup, gbps, quick) if "triton_recurrent" in timed else [])
+            + (chunk_rows(setup, gbps, quick) if "triton_chunk" in timed else []))
     rows.sort(key=lambda r: (r[0], r[2] if r[2] is not None else float("inf")))
     for r in rows:
         rep.rows.append(dict(table="tuning", kernel=r[0], config=r[1], ms=r[2]))
