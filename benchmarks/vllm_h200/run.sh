@@ -12,8 +12,8 @@
 #                                                               # (samples.py: their warm-ups), the log's tail;
 #                                                               # with OUT=, what `results` gives less the report
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
-#   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history) and
-#                                                               # jit-cache.tgz into $OUT
+#   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history),
+#                                                               # jit-cache.tgz and triton-cache.tgz into $OUT
 #   bash benchmarks/vllm_h200/run.sh unpack NAME FILES_AT       # here: into results/NAME, the cache into .cache/jit
 #
 # A part (PARTS below) fits about 20 minutes of the H200 (orchestrator.yaml gives the cost split); each starts
@@ -58,19 +58,19 @@ START_LINES=400  # of each server log that `results` brings back: its start, wit
 source "$TREE/benchmarks/vllm_machine.sh"
 orch() { python3 -m orchestrator.cli "$@" --config "$CONFIG"; }
 
-# FlashInfer's JIT-compiled kernels (the first server start builds its norm kernel: 2-3 minutes of a 30-minute
-# lease) and Triton's cache where both fit 12 MiB (a call carries 64 MiB: a payload part, the tree and this);
-# `receive` restores them
+# The kernels a first server start compiles, so that the next machine's first start compiles none: FlashInfer's
+# (its norm kernel: 2-3 minutes of a 30-minute lease) in jit-cache.tgz, and Triton's (the model's kernels: about a
+# minute of the memory-profiling run) without their intermediate forms in triton-cache.tgz beside it, each within
+# 13 MiB so that it travels with a payload part (carry .cache/jit/jit-cache.tgz with p0, .cache/jit/triton-cache.tgz
+# with p1: a call carries 64 MiB); `receive` restores them
 jit_cache() {
-    local dirs=() d
-    for d in .cache/flashinfer .triton/cache; do [[ -d $HOME/$d ]] && dirs+=("$d"); done
-    ((${#dirs[@]})) || return 0
-    du -sh "${dirs[@]/#/$HOME/}"
-    tar -czf "$1" -C "$HOME" "${dirs[@]}"
-    if (($(stat -c %s "$1") > 12 * 1024 * 1024)) && [[ -d $HOME/.cache/flashinfer ]]; then
-        tar -czf "$1" -C "$HOME" .cache/flashinfer  # Triton's does not fit beside it
+    local out=$1
+    if [[ -d $HOME/.cache/flashinfer ]]; then
+        du -sh "$HOME/.cache/flashinfer"
+        tar -czf "$out" -C "$HOME" .cache/flashinfer
+        (($(stat -c %s "$out") <= 13 * 1024 * 1024)) || { echo "FlashInfer's cache over 13 MiB: not brought back"; rm -f "$out"; }
     fi
-    (($(stat -c %s "$1") <= 12 * 1024 * 1024)) || { echo "JIT cache over 12 MiB: not brought back"; rm -f "$1"; }
+    python3 "$TREE/benchmarks/triton_cache.py" "$HOME" "$(dirname "$out")/triton-cache.tgz" --limit-mib 13
 }
 
 # results.tgz in $1: status, logs, the kept serve.yaml and the history (with the report where $2 says so)
@@ -134,9 +134,13 @@ case ${1:-} in
         i=${2:-}
         [[ -f $PAYLOAD/p$i/part_$i ]] || die "receive N: carry .cache/vllm-payload/pN with this call"
         mkdir -p "$STAGE" && cp "$PAYLOAD/p$i/part_$i" "$STAGE/"
-        if [[ -f $JIT/jit-cache.tgz && ! -d $HOME/.cache/flashinfer ]]; then  # carried: no first-start compile
-            tar -xzf "$JIT/jit-cache.tgz" -C "$HOME" && echo "JIT cache restored into $HOME: $(tar -tzf "$JIT/jit-cache.tgz" | wc -l) entries"
-        fi
+        # carried kernels, each cache once and only where this machine has none of its own: no first-start compile
+        for cache in jit-cache.tgz:.cache/flashinfer triton-cache.tgz:.triton/cache; do
+            archive=$JIT/${cache%%:*}
+            if [[ -f $archive && ! -d $HOME/${cache#*:} ]]; then
+                tar -xzf "$archive" -C "$HOME" && echo "JIT cache restored into $HOME: ${cache%%:*}, $(tar -tzf "$archive" | wc -l) entries"
+            fi
+        done
         if [[ -f $PAYLOAD/p$i/SHA256SUMS ]]; then  # the last part: check them all, unpack, write the model folder
             (cd "$STAGE" && sha256sum -c "$PAYLOAD/p$i/SHA256SUMS") || die "a part is missing or damaged in $STAGE"
             mkdir -p "$SITE"
@@ -184,7 +188,7 @@ case ${1:-} in
         # compiled so far (each poll's cache is the newest: `unpack` replaces the one here with it)
         if [[ -n ${OUT:-} && -f $WORK/state/orchestrator.db ]]; then
             pack "$OUT"
-            jit_cache "$OUT/jit-cache.tgz" | sed 's/^/JIT cache: /'  # the sizes: whether Triton's could travel
+            jit_cache "$OUT/jit-cache.tgz" | sed 's/^/JIT cache: /'  # the sizes: whether each could travel
         fi
         ;;
     compare)
@@ -199,8 +203,8 @@ case ${1:-} in
         echo "comparison started (pid $(cat "$WORK/compare.pid")), log $WORK/compare.log"
         ;;
     results)
-        # what comes back from the machine: results.tgz (status, report, logs, kept serve.yaml, the history) and
-        # jit-cache.tgz (the kernels the first server start compiled); $OUT returns at most 8 files, 16 MiB each
+        # what comes back from the machine: results.tgz (status, report, logs, kept serve.yaml, the history),
+        # jit-cache.tgz and triton-cache.tgz (the kernels the servers compiled); $OUT returns at most 8 files, 16 MiB each
         out=${OUT:-$WORK/results}
         pack "$out" report
         jit_cache "$out/jit-cache.tgz"
@@ -216,7 +220,9 @@ case ${1:-} in
         [[ -e $dest ]] && die "$dest exists"
         mkdir -p "$dest" && tar -xzf "$from/results.tgz" -C "$dest" && chmod -R u+w "$dest"
         [[ -d $dest/report ]] && for f in "$dest"/report/run-*; do mv "$f" "$dest/report.${f##*.}"; done && rmdir "$dest/report"
-        if [[ -f $from/jit-cache.tgz ]]; then mkdir -p "$JIT" && cp "$from/jit-cache.tgz" "$JIT/"; fi
+        for cache in jit-cache.tgz triton-cache.tgz; do
+            if [[ -f $from/$cache ]]; then mkdir -p "$JIT" && cp "$from/$cache" "$JIT/"; fi
+        done
         ls -la "$dest" "$JIT" 2>/dev/null || true
         ;;
     *)

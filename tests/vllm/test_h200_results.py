@@ -47,15 +47,19 @@ def a_run(tmp: Path) -> sqlite3.Connection:
     ops = tmp / "home" / ".cache" / "flashinfer" / "0.7.4" / "90a" / "cached_ops" / "norm"
     ops.mkdir(parents=True)
     (ops / "norm.so").write_bytes(os.urandom(4096))
+    kernel = tmp / "home" / ".triton" / "cache" / "ABC"
+    kernel.mkdir(parents=True)
+    (kernel / "fused_moe.cubin").write_bytes(os.urandom(4096))
+    (kernel / "fused_moe.ptx").write_text("// PTX\n" * 1000)
     return db  # open: the rows stay in the WAL
 
 
-def test_results_come_back_in_two_files_and_unpack_here_with_the_history_whole(tmp_path):
+def test_results_come_back_in_three_files_and_unpack_here_with_the_history_whole(tmp_path):
     db = a_run(tmp_path)
     out = tmp_path / "out"
     done = script("results", tmp=tmp_path, OUT=str(out), HOME=str(tmp_path / "home"))
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["jit-cache.tgz", "results.tgz"], done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["jit-cache.tgz", "results.tgz", "triton-cache.tgz"], done.stdout
     db.close()
 
     done = script("unpack", "part2", str(out), tmp=tmp_path)
@@ -69,7 +73,8 @@ def test_results_come_back_in_two_files_and_unpack_here_with_the_history_whole(t
     assert (dest / "server-starts" / "run1-baseline.log").read_text() == (
         "INFO 12-07 03:10:31 [api_server.py:1] vLLM API server version 0.34.0\n"
         "INFO 12-07 03:13:25 [kernel_warmup.py:294] JIT kernel warmup starting.\n")  # no request lines
-    assert (tmp_path / "jit" / "jit-cache.tgz").read_bytes() == (out / "jit-cache.tgz").read_bytes()
+    for cache in ("jit-cache.tgz", "triton-cache.tgz"):
+        assert (tmp_path / "jit" / cache).read_bytes() == (out / cache).read_bytes()
     # a second unpack under the same name changes nothing
     before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
     again = script("unpack", "part2", str(out), tmp=tmp_path)
@@ -92,7 +97,16 @@ def test_the_next_machine_gets_the_compiled_kernels_back(tmp_path):
     so = "0.7.4/90a/cached_ops/norm/norm.so"
     assert (fresh / ".cache" / "flashinfer" / so).read_bytes() == \
         (tmp_path / "home" / ".cache" / "flashinfer" / so).read_bytes()
-    assert "JIT cache restored" in done.stdout
+    cubin = ".triton/cache/ABC/fused_moe.cubin"
+    assert (fresh / cubin).read_bytes() == (tmp_path / "home" / cubin).read_bytes()
+    assert (fresh / ".triton/cache/ABC/fused_moe.ptx").read_bytes() == b""  # travelled emptied
+    assert done.stdout.count("JIT cache restored") == 2
+
+    # a machine that has compiled kernels of its own keeps them
+    (fresh / cubin).write_bytes(b"compiled here")
+    again = script("receive", "0", tmp=tmp_path, HOME=str(fresh), H200_PAYLOAD=str(payload))
+    assert again.returncode == 0 and "JIT cache restored" not in again.stdout
+    assert (fresh / cubin).read_bytes() == b"compiled here"
 
 
 def test_the_latest_samples_show_each_fresh_servers_warm_up():
@@ -209,11 +223,11 @@ def test_every_poll_brings_the_history_back(tmp_path):
     first, second = tmp_path / "out1", tmp_path / "out2"
     done = script("status", tmp=tmp_path, OUT=str(first), HOME=str(tmp_path / "home"))
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in first.iterdir()) == ["jit-cache.tgz", "results.tgz"], done.stdout
+    assert sorted(p.name for p in first.iterdir()) == ["jit-cache.tgz", "results.tgz", "triton-cache.tgz"], done.stdout
     db.execute("INSERT INTO measurements (value) VALUES (150000.0)")
     db.commit()
     done = script("status", tmp=tmp_path, OUT=str(second), HOME=str(tmp_path / "home"))
-    assert sorted(p.name for p in second.iterdir()) == ["jit-cache.tgz", "results.tgz"], done.stdout
+    assert sorted(p.name for p in second.iterdir()) == ["jit-cache.tgz", "results.tgz", "triton-cache.tgz"], done.stdout
     db.close()
     assert script("unpack", "cut", str(second), tmp=tmp_path).returncode == 0
     dest = tmp_path / "results" / "cut"
