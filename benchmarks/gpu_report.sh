@@ -9,7 +9,9 @@
 # section's server and client need beyond the GPU image; a vLLM already unpacked into /tmp/site
 # (../shared/vllm-h200/serve.sh) stays importable, and the decode section then times vLLM's own Triton decode too.
 # The report runs from a copy of the project in /tmp/gpu-report-proj: each command on such a machine re-copies the
-# working tree, which would pull the code from under a job started inside it.
+# working tree, which would pull the code from under a job started inside it. Triton's kernels come back with the
+# JSON (triton-engine.tgz, benchmarks/triton_cache.py): put it in .cache/jit and carry it, and the next machine's
+# engine starts without compiling them.
 set -u
 TREE=$(cd "$(dirname "$0")/.." && pwd)
 ROOT=/tmp/gpu-report-proj
@@ -20,6 +22,9 @@ if [ "${1:-poll}" = start ]; then
   shift
   if running; then echo "a report is running: poll it"; exit 3; fi
   rm -rf "$ROOT" "$RUN" && cp -r "$TREE" "$ROOT" && mkdir -p "$RUN"
+  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ] && [ ! -d "$HOME/.triton/cache" ]; then
+    tar -xzf "$TREE/.cache/jit/triton-engine.tgz" -C "$HOME" && echo "Triton's cache restored into $HOME"
+  fi
   if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT"/.whl/*.whl \
       || echo "the wheels did not install: the served section will say what it misses, the others run"
@@ -35,4 +40,5 @@ while running && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
 cp "$RUN/report.log" "$OUT/" 2>/dev/null
 if running; then tail -5 "$RUN/report.log"; echo "RUNNING: send the poll command again now"; exit 0; fi
 cp "$RUN/gpu_report.json" "$OUT/" 2>/dev/null
+python3 "$TREE/benchmarks/triton_cache.py" "$HOME" "$OUT/triton-engine.tgz" --limit-mib 13
 echo "FINISHED"; sed -n '/^## Summary/,$p' "$RUN/report.log"

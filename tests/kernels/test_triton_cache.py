@@ -84,3 +84,21 @@ def test_an_archive_over_the_limit_is_not_written(tmp_path):
     assert total == 64 * 1024 + 70_000 and size > 32 * 1024
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing written, no partial left
     assert pack(tmp_path / "nowhere", out, limit=2**20) is None
+
+
+def test_the_engine_reports_poll_brings_tritons_kernels_back(tmp_path):
+    """benchmarks/gpu_report.sh's last poll: the report's log and JSON, and Triton's kernels beside them."""
+    run, out, home = tmp_path / "run", tmp_path / "out", tmp_path / "home"
+    run.mkdir()
+    (run / "report.log").write_text("## Summary\nengine: 9,984 output tok/s\n")
+    (run / "gpu_report.json").write_text("{}")
+    kernel = home / CACHE / "ABC"
+    kernel.mkdir(parents=True)
+    (kernel / "k.cubin").write_bytes(b"\x7fELF" + os.urandom(1000))
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_report.sh"), "poll"], capture_output=True, text=True,
+                          env={**os.environ, "RUN_DIR": str(run), "OUT": str(out), "HOME": str(home)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "FINISHED" in done.stdout and "9,984" in done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_report.json", "report.log", "triton-engine.tgz"]
+    with tarfile.open(out / "triton-engine.tgz") as tar:
+        assert tar.extractfile(".triton/cache/ABC/k.cubin").read() == (kernel / "k.cubin").read_bytes()
