@@ -22,8 +22,8 @@ if [ "${1:-poll}" = start ]; then
   shift
   if running; then echo "a report is running: poll it"; exit 3; fi
   rm -rf "$ROOT" "$RUN" && cp -r "$TREE" "$ROOT" && mkdir -p "$RUN"
-  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ] && [ ! -d "$HOME/.triton/cache" ]; then
-    tar -xzf "$TREE/.cache/jit/triton-engine.tgz" -C "$HOME" && echo "Triton's cache restored into $HOME"
+  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ]; then  # kernels are named by their hash: keep any already here
+    tar -xzf "$TREE/.cache/jit/triton-engine.tgz" -C "$HOME" --skip-old-files && echo "Triton's cache restored into $HOME"
   fi
   if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT"/.whl/*.whl \

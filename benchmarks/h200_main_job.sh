@@ -18,7 +18,9 @@
 # where it was and the run that was cut short is continued (docs/orchestrator.md, "Continuing"), the calibration
 # found recorded.
 # The run works from a copy of the project in /tmp/proj: each command on such a machine re-copies the working tree,
-# which would pull the code from under a run started inside it.
+# which would pull the code from under a run started inside it. Triton's kernels come back with each poll while the
+# run goes (triton-engine.tgz, benchmarks/triton_cache.py; $OUT returns at most 8 files, which the finished run's
+# fill): put it in .cache/jit and carry it, and the next machine's servers start without compiling them.
 set -u
 TREE=$(cd "$(dirname "$0")/.." && pwd)
 ROOT=/tmp/proj
@@ -33,6 +35,9 @@ if [ "${1:-poll}" = start ] || [ "${1:-poll}" = calibrate ]; then
   rm -rf "$ROOT" && cp -r "$TREE" "$ROOT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl || exit 9
   mkdir -p "$RUN"
+  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ]; then  # kernels are named by their hash: keep any already here
+    tar -xzf "$TREE/.cache/jit/triton-engine.tgz" -C "$HOME" --skip-old-files && echo "Triton's cache restored into $HOME"
+  fi
   if [ -n "${RESUME:-}" ]; then
     tar xzf "$TREE/$RESUME" -C "$RUN" || exit 8
     echo "resumed: the state folder of $RESUME"; orch status 2>&1 | tail -30
@@ -66,7 +71,10 @@ fi
 # a stalled sample is diagnosed from them.
 tar czf "$OUT/logs.tgz" -C "$RUN/state" server-logs 2>/dev/null
 find /tmp "$RUN" -maxdepth 4 -path '*proc-*' -name stderr 2>/dev/null | head -50 | tar czf "$OUT/probe-stderr.tgz" -T - 2>/dev/null
-if running; then echo "RUNNING: send the poll command again now"; exit 0; fi
+if running; then
+  python3 "$TREE/benchmarks/triton_cache.py" "$HOME" "$OUT/triton-engine.tgz" --limit-mib 13
+  echo "RUNNING: send the poll command again now"; exit 0
+fi
 echo "FINISHED"; tail -5 "$RUN/run.log"
 orch report --out "$RUN/report" > /dev/null 2>&1 && cp "$RUN"/report/*.md "$RUN"/report/*.png "$OUT/" 2>/dev/null
 ls -la "$OUT"

@@ -134,13 +134,15 @@ case ${1:-} in
         i=${2:-}
         [[ -f $PAYLOAD/p$i/part_$i ]] || die "receive N: carry .cache/vllm-payload/pN with this call"
         mkdir -p "$STAGE" && cp "$PAYLOAD/p$i/part_$i" "$STAGE/"
-        # carried kernels, each cache once and only where this machine has none of its own: no first-start compile
-        for cache in jit-cache.tgz:.cache/flashinfer triton-cache.tgz:.triton/cache; do
-            archive=$JIT/${cache%%:*}
-            if [[ -f $archive && ! -d $HOME/${cache#*:} ]]; then
-                tar -xzf "$archive" -C "$HOME" && echo "JIT cache restored into $HOME: ${cache%%:*}, $(tar -tzf "$archive" | wc -l) entries"
-            fi
-        done
+        # carried kernels, so that the first start compiles none: FlashInfer's where this machine has none of its
+        # own (a build it began is not mixed with another's), Triton's beside its own (each kernel's files are
+        # named by its hash: one already here is the same kernel, and is kept)
+        if [[ -f $JIT/jit-cache.tgz && ! -d $HOME/.cache/flashinfer ]]; then
+            tar -xzf "$JIT/jit-cache.tgz" -C "$HOME" && echo "JIT cache restored into $HOME: FlashInfer's, $(tar -tzf "$JIT/jit-cache.tgz" | wc -l) entries"
+        fi
+        if [[ -f $JIT/triton-cache.tgz ]]; then
+            tar -xzf "$JIT/triton-cache.tgz" -C "$HOME" --skip-old-files && echo "JIT cache restored into $HOME: Triton's, $(tar -tzf "$JIT/triton-cache.tgz" | wc -l) entries"
+        fi
         if [[ -f $PAYLOAD/p$i/SHA256SUMS ]]; then  # the last part: check them all, unpack, write the model folder
             (cd "$STAGE" && sha256sum -c "$PAYLOAD/p$i/SHA256SUMS") || die "a part is missing or damaged in $STAGE"
             mkdir -p "$SITE"

@@ -102,11 +102,15 @@ def test_the_next_machine_gets_the_compiled_kernels_back(tmp_path):
     assert (fresh / ".triton/cache/ABC/fused_moe.ptx").read_bytes() == b""  # travelled emptied
     assert done.stdout.count("JIT cache restored") == 2
 
-    # a machine that has compiled kernels of its own keeps them
+    # a machine that has compiled kernels of its own keeps them: FlashInfer's whole, Triton's file by file
+    (fresh / ".cache" / "flashinfer" / so).write_bytes(b"built here")
     (fresh / cubin).write_bytes(b"compiled here")
+    (fresh / ".triton/cache/ABC/fused_moe.ptx").unlink()
     again = script("receive", "0", tmp=tmp_path, HOME=str(fresh), H200_PAYLOAD=str(payload))
-    assert again.returncode == 0 and "JIT cache restored" not in again.stdout
+    assert again.returncode == 0 and "FlashInfer's" not in again.stdout
+    assert (fresh / ".cache" / "flashinfer" / so).read_bytes() == b"built here"
     assert (fresh / cubin).read_bytes() == b"compiled here"
+    assert (fresh / ".triton/cache/ABC/fused_moe.ptx").exists()  # what it lacked, added
 
 
 def test_the_latest_samples_show_each_fresh_servers_warm_up():
