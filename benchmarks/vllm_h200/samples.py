@@ -1,6 +1,6 @@
 """The latest serving samples of a staged run, one line each, read from its history (read-only): which server gave
 each, its score and output rate, the TPOT (and vLLM's own inter-token latency and iterations, the client's share of
-a core, where recorded), and the warm-up before a fresh server's first window (its seconds, each
+a core, the card's power and clock, where recorded), and the warm-up before a fresh server's first window (its seconds, each
 step's output rate, whether it settled). `run.sh status` prints them, so that a run on the GPU shows as it goes
 whether fresh servers' first windows measure like the later ones. Then each configuration reading (the `vllm-config`
 probe's) against the baseline's: the same, or the keys it differs in, so that a run shows which changes its
@@ -30,6 +30,9 @@ def lines(db: Path, n: int = 8) -> list[str]:
                      f"{m.get('server_iteration_ms', 0):.1f} ms, {m.get('server_preemptions', 0)} preempted)")
         if "client_busy" in m:
             line += f"; client {m['client_busy']:.0%} of a core"
+        gpus = [g for g in m.get("gpus") or [] if isinstance(g, dict) and "power_w" in g]
+        if gpus:  # the card's draw after the window: a slow window at full clocks and low power waited on the host
+            line += "; GPU " + ", ".join(f"{g['power_w']:.0f} W {g.get('sm_mhz', 0):,.0f} MHz" for g in gpus)
         if "warmup_seconds" in m:
             rates = " ".join(f"{r:,.0f}" for r in m.get("warmup_rates", []))
             settled = {True: ", settled", False: ", NOT settled"}.get(m.get("warmup_settled"), "")

@@ -124,9 +124,9 @@ def test_the_latest_samples_show_each_fresh_servers_warm_up():
     before = db.read_bytes()
     last = lines(db, 3)
     assert last == [
-        "step 5 candidate #1 server 34: score 99,257, 3,243 out tok/s, TPOT 41.5 ms; warm-up 5.2 s",
-        "step 5 baseline #1 server 36: score 120,241, 3,959 out tok/s, TPOT 36.0 ms; warm-up 5.0 s",
-        "step 5 baseline #2 server 36: score 141,251, 4,644 out tok/s, TPOT 27.5 ms",
+        "step 5 candidate #1 server 34: score 99,257, 3,243 out tok/s, TPOT 41.5 ms; GPU 460 W 1,980 MHz; warm-up 5.2 s",
+        "step 5 baseline #1 server 36: score 120,241, 3,959 out tok/s, TPOT 36.0 ms; GPU 529 W 1,965 MHz; warm-up 5.0 s",
+        "step 5 baseline #2 server 36: score 141,251, 4,644 out tok/s, TPOT 27.5 ms; GPU 485 W 1,980 MHz",
     ]
     assert db.read_bytes() == before  # read-only
 
@@ -162,13 +162,14 @@ def test_a_sample_shows_the_servers_own_latency_and_the_clients_load(tmp_path):
     db.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, step_id INTEGER, arm TEXT, repeat INTEGER, "
                "server INTEGER, value REAL, metrics TEXT, role TEXT, ok INTEGER)")
     metrics = {"output_throughput": 3406.3, "mean_tpot_ms": 41.0, "server_itl_ms": 40.2, "server_iterations": 331,
-               "server_iteration_ms": 30.2, "server_preemptions": 0, "client_busy": 0.552}
+               "server_iteration_ms": 30.2, "server_preemptions": 0, "client_busy": 0.552,
+               "gpus": [{"power_w": 486.68, "sm_mhz": 1980.0, "temperature_c": 52.0}]}
     db.execute("INSERT INTO measurements VALUES (1, 3, 'baseline', 0, 7, 105635, ?, 'throughput', 1)",
                (json.dumps(metrics),))
     db.commit()
     assert lines(tmp_path / "h.db") == [
         "step 3 baseline #1 server 7: score 105,635, 3,406 out tok/s, TPOT 41.0 ms (server: ITL 40.2 ms, "
-        "331 iterations of 30.2 ms, 0 preempted); client 55% of a core"]
+        "331 iterations of 30.2 ms, 0 preempted); client 55% of a core; GPU 487 W 1,980 MHz"]
 
 
 def test_configuration_readings_show_what_differs_from_the_baseline(tmp_path):
