@@ -12,6 +12,7 @@
 #                                                               # (samples.py: their warm-ups), the log's tail;
 #                                                               # with OUT=, what `results` gives less the report
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
+#   bash benchmarks/vllm_h200/run.sh cotenant                   # one server alone, beside a sleeping one, alone
 #   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history),
 #                                                               # jit-cache.tgz and triton-cache.tgz into $OUT
 #   bash benchmarks/vllm_h200/run.sh unpack NAME FILES_AT       # here: into results/NAME, the cache into .cache/jit
@@ -80,7 +81,8 @@ pack() {
     orch status --json > "$pack/status.json" 2>/dev/null || true
     orch status > "$pack/status.txt" 2>&1 || true
     [[ ${2:-} == report ]] && { orch report --out "$pack/report" > /dev/null 2>&1 || true; }
-    cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$pack/" 2>/dev/null || true
+    cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$WORK"/cotenant.{log,json} \
+        "$pack/" 2>/dev/null || true
     cp "$WORK/serve/serve.yaml" "$pack/kept-serve.yaml" 2>/dev/null || true
     # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
     # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
@@ -185,10 +187,11 @@ case ${1:-} in
         ls -t "$WORK/state/server-logs" 2>/dev/null | head -3 | while read -r f; do
             echo "== $f"; tail -n 5 "$WORK/state/server-logs/$f"; done || true
         tail -n 12 "$WORK/compare.log" 2>/dev/null || true
+        tail -n 20 "$WORK/cotenant.log" 2>/dev/null || true
         # with OUT= (the device's $OUT), every poll brings back what `results` does, less the report: a machine
         # taken back mid-run still leaves its history here (STATE= continues from it elsewhere) and the kernels
         # compiled so far (each poll's cache is the newest: `unpack` replaces the one here with it)
-        if [[ -n ${OUT:-} && -f $WORK/state/orchestrator.db ]]; then
+        if [[ -n ${OUT:-} && ( -f $WORK/state/orchestrator.db || -f $WORK/cotenant.log ) ]]; then
             pack "$OUT"
             jit_cache "$OUT/jit-cache.tgz" | sed 's/^/JIT cache: /'  # the sizes: whether each could travel
         fi
@@ -203,6 +206,18 @@ case ${1:-} in
         (cd "$PROJ" && detach "$WORK/compare.pid" "$WORK/compare.log" \
             python3 "$PROJ/benchmarks/vllm_h200/compare.py" "$CONFIG" "$WORK")
         echo "comparison started (pid $(cat "$WORK/compare.pid")), log $WORK/compare.log"
+        ;;
+    cotenant)
+        # does a sleeping server slow the awake one? (cotenant.py) One server of the kept serve config (FROM=, else
+        # the last part's) alone, beside a second asleep, alone again: about 8 minutes with a warm kernel cache
+        alive "$WORK/run.pid" && die "the staged run is still going"
+        alive "$WORK/cotenant.pid" && die "the co-tenant test is going (pid $(cat "$WORK/cotenant.pid"))"
+        setup
+        [[ -n ${FROM:-} ]] && cp "$FROM" "$WORK/serve/serve.yaml"
+        [[ -f $WORK/serve/serve.yaml ]] || die "no kept serve config: stage a part first, or give FROM=kept-serve.yaml"
+        (cd "$PROJ" && detach "$WORK/cotenant.pid" "$WORK/cotenant.log" \
+            python3 "$PROJ/benchmarks/vllm_h200/cotenant.py" "$CONFIG" "$WORK")
+        echo "co-tenant test started (pid $(cat "$WORK/cotenant.pid")), log $WORK/cotenant.log"
         ;;
     results)
         # what comes back from the machine: results.tgz (status, report, logs, kept serve.yaml, the history),
@@ -228,7 +243,7 @@ case ${1:-} in
         ls -la "$dest" "$JIT" 2>/dev/null || true
         ;;
     *)
-        sed -n '2,17p' "$0"
+        sed -n '2,18p' "$0"
         exit 2
         ;;
 esac

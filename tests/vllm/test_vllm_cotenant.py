@@ -1,0 +1,40 @@
+"""benchmarks/vllm_h200/cotenant.py end to end on the stand-in `vllm` (standin/vllm, with vLLM's sleep routes):
+one server measured alone, beside a second one asleep, and alone again, read back from the servers' own record."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from test_vllm_live import REPO, left_behind, standin_env
+from test_vllm_sleep import project
+from vllm_source import linked
+
+
+def test_one_server_is_measured_alone_beside_a_sleeping_one_and_alone_again(tmp_path, vllm_pinned):
+    folder = project(tmp_path, linked(vllm_pinned, tmp_path / "vllm"), {}, {})
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "vllm_h200" / "cotenant.py"), "orchestrator.yaml",
+                           str(work)], cwd=folder, capture_output=True, text=True, timeout=900,
+                          env={**standin_env(folder), "WINDOWS": "2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((work / "cotenant.json").read_text())
+    assert [(r["condition"], r["window"], r["counted"]) for r in results] == [
+        (c, i, i > 0) for c in ("alone", "beside a sleeping server", "alone again") for i in range(3)]
+    assert all(r["score"] > 0 for r in results)
+    assert "| beside a sleeping server | 2 |" in done.stdout
+
+    events = [json.loads(line) for line in (folder / "standin" / "record.jsonl").read_text().splitlines()]
+    first, second = [e["pid"] for e in events if e["event"] == "start"]
+    where = [(e["event"], "first" if e["pid"] == first else "second") for e in events if e["event"] != "completion"]
+    assert where == [("start", "first"), ("sleep", "first"), ("start", "second"), ("sleep", "second"),
+                     ("wake", "first"), ("stop", "second"), ("stop", "first")]
+    served = {e["pid"] for e in events if e["event"] == "completion"}
+    assert served == {first}  # every window on the first server
+    # the windows beside the second ran while it slept: between its sleep and its stop
+    sleep_at = next(e["t"] for e in events if e["event"] == "sleep" and e["pid"] == second)
+    stop_at = next(e["t"] for e in events if e["event"] == "stop" and e["pid"] == second)
+    assert sum(sleep_at < e["t0"] < stop_at for e in events if e["event"] == "completion") > 0
+    assert left_behind(str(folder)) == []
