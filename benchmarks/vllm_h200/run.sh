@@ -120,6 +120,20 @@ print('python', __import__('sys').version.split()[0], 'torch', torch.__version__
     stop_payload_server
 }
 
+# kept_job NAME WHAT: NAME.py (compare.py, cotenant.py) on the kept serve config (FROM=, else the last part's),
+# detached from a fresh copy of the project, its log in $WORK/NAME.log
+kept_job() {
+    local name=$1 what=$2
+    alive "$WORK/run.pid" && die "the staged run is still going"
+    alive "$WORK/$name.pid" && die "$what is going (pid $(cat "$WORK/$name.pid"))"
+    setup
+    [[ -n ${FROM:-} ]] && cp "$FROM" "$WORK/serve/serve.yaml"
+    [[ -f $WORK/serve/serve.yaml ]] || die "no kept serve config: stage a part first, or give FROM=kept-serve.yaml"
+    (cd "$PROJ" && detach "$WORK/$name.pid" "$WORK/$name.log" \
+        python3 "$PROJ/benchmarks/vllm_h200/$name.py" "$CONFIG" "$WORK")
+    echo "$what started (pid $(cat "$WORK/$name.pid")), log $WORK/$name.log"
+}
+
 case ${1:-} in
     parts)
         [[ -f $PAYLOAD_XZ ]] || die "no $PAYLOAD_XZ: run ../shared/vllm-h200/build_payload.sh first"
@@ -197,27 +211,13 @@ case ${1:-} in
         fi
         ;;
     compare)
-        alive "$WORK/run.pid" && die "the staged run is still going"
-        alive "$WORK/compare.pid" && die "a comparison is going (pid $(cat "$WORK/compare.pid"))"
-        setup
-        [[ -n ${FROM:-} ]] && cp "$FROM" "$WORK/serve/serve.yaml"
-        [[ -f $WORK/serve/serve.yaml ]] || die "no kept serve config: stage a part first, or give FROM=kept-serve.yaml"
-        cp "$HERE/defaults.yaml" "$WORK/defaults.yaml"
-        (cd "$PROJ" && detach "$WORK/compare.pid" "$WORK/compare.log" \
-            python3 "$PROJ/benchmarks/vllm_h200/compare.py" "$CONFIG" "$WORK")
-        echo "comparison started (pid $(cat "$WORK/compare.pid")), log $WORK/compare.log"
+        mkdir -p "$WORK" && cp "$HERE/defaults.yaml" "$WORK/defaults.yaml"
+        kept_job compare "the comparison"
         ;;
     cotenant)
-        # does a sleeping server slow the awake one? (cotenant.py) One server of the kept serve config (FROM=, else
-        # the last part's) alone, beside a second asleep, alone again: about 8 minutes with a warm kernel cache
-        alive "$WORK/run.pid" && die "the staged run is still going"
-        alive "$WORK/cotenant.pid" && die "the co-tenant test is going (pid $(cat "$WORK/cotenant.pid"))"
-        setup
-        [[ -n ${FROM:-} ]] && cp "$FROM" "$WORK/serve/serve.yaml"
-        [[ -f $WORK/serve/serve.yaml ]] || die "no kept serve config: stage a part first, or give FROM=kept-serve.yaml"
-        (cd "$PROJ" && detach "$WORK/cotenant.pid" "$WORK/cotenant.log" \
-            python3 "$PROJ/benchmarks/vllm_h200/cotenant.py" "$CONFIG" "$WORK")
-        echo "co-tenant test started (pid $(cat "$WORK/cotenant.pid")), log $WORK/cotenant.log"
+        # does a sleeping server slow the awake one? One server of the kept serve config alone, beside a second
+        # asleep, alone again: about 8 minutes with a warm kernel cache
+        kept_job cotenant "the co-tenant test"
         ;;
     results)
         # what comes back from the machine: results.tgz (status, report, logs, kept serve.yaml, the history),
