@@ -22,8 +22,8 @@ if [ "${1:-poll}" = start ]; then
   shift
   if running; then echo "a report is running: poll it"; exit 3; fi
   rm -rf "$ROOT" "$RUN" && cp -r "$TREE" "$ROOT" && mkdir -p "$RUN"
-  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ]; then  # kernels are named by their hash: keep any already here
-    tar -xzf "$TREE/.cache/jit/triton-engine.tgz" -C "$HOME" --skip-old-files && echo "Triton's cache restored into $HOME"
+  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ]; then
+    python3 "$TREE/benchmarks/triton_cache.py" unpack "$TREE/.cache/jit/triton-engine.tgz" "$HOME"
   fi
   if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT"/.whl/*.whl \
@@ -40,5 +40,5 @@ while running && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
 cp "$RUN/report.log" "$OUT/" 2>/dev/null
 if running; then tail -5 "$RUN/report.log"; echo "RUNNING: send the poll command again now"; exit 0; fi
 cp "$RUN/gpu_report.json" "$OUT/" 2>/dev/null
-python3 "$TREE/benchmarks/triton_cache.py" "$HOME" "$OUT/triton-engine.tgz" --limit-mib 13
+python3 "$TREE/benchmarks/triton_cache.py" pack "$HOME" "$OUT/triton-engine.tgz" --limit-mib 13
 echo "FINISHED"; sed -n '/^## Summary/,$p' "$RUN/report.log"

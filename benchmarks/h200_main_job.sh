@@ -35,8 +35,8 @@ if [ "${1:-poll}" = start ] || [ "${1:-poll}" = calibrate ]; then
   rm -rf "$ROOT" && cp -r "$TREE" "$ROOT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl || exit 9
   mkdir -p "$RUN"
-  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ]; then  # kernels are named by their hash: keep any already here
-    tar -xzf "$TREE/.cache/jit/triton-engine.tgz" -C "$HOME" --skip-old-files && echo "Triton's cache restored into $HOME"
+  if [ -f "$TREE/.cache/jit/triton-engine.tgz" ]; then
+    python3 "$TREE/benchmarks/triton_cache.py" unpack "$TREE/.cache/jit/triton-engine.tgz" "$HOME"
   fi
   if [ -n "${RESUME:-}" ]; then
     tar xzf "$TREE/$RESUME" -C "$RUN" || exit 8
@@ -72,7 +72,7 @@ fi
 tar czf "$OUT/logs.tgz" -C "$RUN/state" server-logs 2>/dev/null
 find /tmp "$RUN" -maxdepth 4 -path '*proc-*' -name stderr 2>/dev/null | head -50 | tar czf "$OUT/probe-stderr.tgz" -T - 2>/dev/null
 if running; then
-  python3 "$TREE/benchmarks/triton_cache.py" "$HOME" "$OUT/triton-engine.tgz" --limit-mib 13
+  python3 "$TREE/benchmarks/triton_cache.py" pack "$HOME" "$OUT/triton-engine.tgz" --limit-mib 13
   echo "RUNNING: send the poll command again now"; exit 0
 fi
 echo "FINISHED"; tail -5 "$RUN/run.log"

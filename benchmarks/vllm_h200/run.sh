@@ -71,7 +71,7 @@ jit_cache() {
         tar -czf "$out" -C "$HOME" .cache/flashinfer
         (($(stat -c %s "$out") <= 13 * 1024 * 1024)) || { echo "FlashInfer's cache over 13 MiB: not brought back"; rm -f "$out"; }
     fi
-    python3 "$TREE/benchmarks/triton_cache.py" "$HOME" "$(dirname "$out")/triton-cache.tgz" --limit-mib 13
+    python3 "$TREE/benchmarks/triton_cache.py" pack "$HOME" "$(dirname "$out")/triton-cache.tgz" --limit-mib 13
 }
 
 # results.tgz in $1: status, logs, the kept serve.yaml and the history (with the report where $2 says so)
@@ -157,7 +157,7 @@ case ${1:-} in
             tar -xzf "$JIT/jit-cache.tgz" -C "$HOME" && echo "JIT cache restored into $HOME: FlashInfer's, $(tar -tzf "$JIT/jit-cache.tgz" | wc -l) entries"
         fi
         if [[ -f $JIT/triton-cache.tgz ]]; then
-            tar -xzf "$JIT/triton-cache.tgz" -C "$HOME" --skip-old-files && echo "JIT cache restored into $HOME: Triton's, $(tar -tzf "$JIT/triton-cache.tgz" | wc -l) entries"
+            python3 "$TREE/benchmarks/triton_cache.py" unpack "$JIT/triton-cache.tgz" "$HOME" | sed 's/^/JIT cache: /'
         fi
         if [[ -f $PAYLOAD/p$i/SHA256SUMS ]]; then  # the last part: check them all, unpack, write the model folder
             (cd "$STAGE" && sha256sum -c "$PAYLOAD/p$i/SHA256SUMS") || die "a part is missing or damaged in $STAGE"

@@ -3,6 +3,7 @@ or H200 (sm_90) by Triton's own ptxas, no GPU needed, packed, restored on a "fre
 its cache is gone) and compiled again, which must load it rather than compile."""
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -10,9 +11,11 @@ import tarfile
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from triton_cache import CACHE, INTERMEDIATE, pack  # noqa: E402
+from triton_cache import CACHE, INTERMEDIATE, pack, unpack  # noqa: E402
 
 COMPILE = textwrap.dedent("""
     import triton, triton.language as tl
@@ -67,7 +70,7 @@ def test_a_packed_cache_without_intermediate_forms_still_hits(tmp_path):
 
     # the next machine: the same HOME, no cache until the archive is unpacked
     subprocess.run(["rm", "-rf", str(home / ".triton")], check=True)
-    subprocess.run(["tar", "-xzf", str(out), "-C", str(home)], check=True)
+    assert unpack(out, home) == len(members)
     before = files(cache)
     assert compile_in(home) == cubin
     assert files(cache) == before  # loaded: nothing compiled, nothing rewritten, the emptied forms still empty
@@ -102,3 +105,35 @@ def test_the_engine_reports_poll_brings_tritons_kernels_back(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_report.json", "report.log", "triton-engine.tgz"]
     with tarfile.open(out / "triton-engine.tgz") as tar:
         assert tar.extractfile(".triton/cache/ABC/k.cubin").read() == (kernel / "k.cubin").read_bytes()
+
+
+def test_unpacking_merges_and_keeps_what_the_machine_has(tmp_path):
+    """A kernel's files are named by its hash: the machine's own (here a whole PTX where the archive's is emptied)
+    are kept, what it lacks is added."""
+    home, other = tmp_path / "home", tmp_path / "other"
+    for h in (home, other):
+        (h / CACHE / "ABC").mkdir(parents=True)
+        (h / CACHE / "ABC" / "k.cubin").write_bytes(b"cubin")
+    (home / CACHE / "ABC" / "k.ptx").write_text("// PTX")
+    (home / CACHE / "DEF").mkdir()
+    (home / CACHE / "DEF" / "j.cubin").write_bytes(b"another")
+    out = tmp_path / "a.tgz"
+    pack(home, out, limit=2**20)
+    (other / CACHE / "ABC" / "k.ptx").write_text("// compiled here")
+    assert unpack(out, other) == 1
+    assert (other / CACHE / "ABC" / "k.ptx").read_text() == "// compiled here"
+    assert (other / CACHE / "DEF" / "j.cubin").read_bytes() == b"another"
+
+
+def test_an_archive_reaching_outside_the_cache_is_refused_whole(tmp_path):
+    archive = tmp_path / "bad.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in (".triton/cache/ABC/k.cubin", ".bashrc"):
+            info = tarfile.TarInfo(name)
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"data"))
+    home = tmp_path / "home"
+    home.mkdir()
+    with pytest.raises(ValueError, match=r"bad\.tgz: \.bashrc is not inside \.triton/cache"):
+        unpack(archive, home)
+    assert list(home.iterdir()) == []  # nothing written
