@@ -17,24 +17,24 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
 from orchestrator.config import load
+from orchestrator.probes.runner import argv_for, judge_output, run_process
 from orchestrator.targets.vllm import SLEEP_PATHS
 
 
 def window(project, url: str, seed: int) -> dict:
-    """One sample of the staged run's serving probe against the server at `url`."""
+    """One sample of the staged run's serving probe against the server at `url`, run and judged by the staging
+    loop's own runner (its protocol, its timeout, nothing it started left behind)."""
     probe = next(p for p in project.target.probes_against(url) if p["role"] == "throughput")
-    command = [sys.executable if probe["command"][0] == "python" else probe["command"][0], *probe["command"][1:]]
-    done = subprocess.run(command, env={**os.environ, **project.target.env(), "ORCHESTRATOR_PAIR": str(seed)},
-                          capture_output=True, text=True, timeout=probe["timeout"])
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"error": done.stderr[-2000:] or f"exit {done.returncode}"}
+    env = {**os.environ, **project.target.env(), "ORCHESTRATOR_PAIR": str(seed)}
+    done = run_process(argv_for(probe["command"]), Path.cwd(), env, probe["timeout"])
+    judged = judge_output("throughput", probe["objective"], done, probe["timeout"])
+    return judged.metrics if judged.ok else {"error": judged.message}
 
 
 def switch(server, way: str) -> None:
@@ -44,7 +44,11 @@ def switch(server, way: str) -> None:
 
 def started(project, label: str):
     server = project.target.live_server(label=label, beside="sleeping").start()
-    server.wait_healthy(project.target.config.startup_timeout)
+    try:
+        server.wait_healthy(project.target.config.startup_timeout)
+    except BaseException:
+        server.stop()  # a start that failed leaves nothing on the card
+        raise
     return server
 
 
@@ -62,11 +66,7 @@ def measure(project, server, condition: str, windows: int, seed: int) -> list[di
 
 def table(results: list[dict]) -> list[str]:
     rows = ["| condition | windows | mean score | sd of log score | scores |", "|---|---|---|---|---|"]
-    seen = []
-    for r in results:
-        if r["condition"] not in seen:
-            seen.append(r["condition"])
-    for condition in seen:
+    for condition in dict.fromkeys(r["condition"] for r in results):
         scores = [r["score"] for r in results if r["condition"] == condition and r["counted"] and "score" in r]
         sd = statistics.stdev(math.log(s) for s in scores) if len(scores) > 1 else float("nan")
         rows.append(f"| {condition} | {len(scores)} | {statistics.fmean(scores) if scores else float('nan'):,.0f} | "
@@ -79,9 +79,9 @@ def main(argv: list[str]) -> int:
     work = Path(argv[1])
     windows = max(2, int(os.environ.get("WINDOWS", "4")))
     results: list[dict] = []
-    first = started(project, "cotenant-first")
-    second = None
+    first = second = None
     try:
+        first = started(project, "cotenant-first")
         results += measure(project, first, "alone", windows, 100)
         switch(first, "sleep")
         second = started(project, "cotenant-second")

@@ -63,15 +63,15 @@ orch() { python3 -m orchestrator.cli "$@" --config "$CONFIG"; }
 # (its norm kernel: 2-3 minutes of a 30-minute lease) in jit-cache.tgz, and Triton's (the model's kernels: about a
 # minute of the memory-profiling run) without their intermediate forms in triton-cache.tgz beside it, each within
 # 13 MiB so that it travels with a payload part (carry .cache/jit/jit-cache.tgz with p0, .cache/jit/triton-cache.tgz
-# with p1: a call carries 64 MiB); `receive` restores them
-jit_cache() {
-    local out=$1
+# with p1: a call carries 64 MiB), both into the folder $1; `receive` restores them
+jit_caches() {
+    local out=$1/jit-cache.tgz
     if [[ -d $HOME/.cache/flashinfer ]]; then
         du -sh "$HOME/.cache/flashinfer"
         tar -czf "$out" -C "$HOME" .cache/flashinfer
         (($(stat -c %s "$out") <= 13 * 1024 * 1024)) || { echo "FlashInfer's cache over 13 MiB: not brought back"; rm -f "$out"; }
     fi
-    python3 "$TREE/benchmarks/triton_cache.py" pack "$HOME" "$(dirname "$out")/triton-cache.tgz" --limit-mib 13
+    python3 "$TREE/benchmarks/triton_cache.py" pack "$HOME" "$1/triton-cache.tgz" --limit-mib 13
 }
 
 # results.tgz in $1: status, logs, the kept serve.yaml and the history (with the report where $2 says so)
@@ -207,7 +207,7 @@ case ${1:-} in
         # compiled so far (each poll's cache is the newest: `unpack` replaces the one here with it)
         if [[ -n ${OUT:-} && ( -f $WORK/state/orchestrator.db || -f $WORK/cotenant.log ) ]]; then
             pack "$OUT"
-            jit_cache "$OUT/jit-cache.tgz" | sed 's/^/JIT cache: /'  # the sizes: whether each could travel
+            jit_caches "$OUT" | sed 's/^/JIT cache: /'  # the sizes: whether each could travel
         fi
         ;;
     compare)
@@ -224,7 +224,7 @@ case ${1:-} in
         # jit-cache.tgz and triton-cache.tgz (the kernels the servers compiled); $OUT returns at most 8 files, 16 MiB each
         out=${OUT:-$WORK/results}
         pack "$out" report
-        jit_cache "$out/jit-cache.tgz"
+        jit_caches "$out"
         ls -la "$out"
         cat "$WORK/pack/status.txt" "$WORK/pack/kept-serve.yaml" 2>/dev/null || true
         cat "$WORK/compare.md" 2>/dev/null || true
