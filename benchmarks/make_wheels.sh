@@ -7,6 +7,7 @@
 #   fastapi -> starlette (anyio: httpx has it), annotated-doc (typer has it); uvicorn -> h11 (httpx has it)
 #   sqlite-utils -> sqlite-fts4, click-default-group, tabulate, pluggy (click, python-dateutil, pip: there)
 #   ruamel.yaml 0.19, merge3 (no compiled part, no requirement)
+#   py-spy (a static binary: `run.sh profile` samples vLLM's engine core with it)
 # Versions match the ones the vLLM 0.34.0 payload carries (../shared/vllm-h200/build_payload.sh) where
 # it carries the package, so installing these into the payload's folder replaces nothing with another
 # version and one PYTHONPATH serves both:
@@ -18,7 +19,8 @@ PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
 WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.55.0 opentelemetry-api==1.45.2
 sqlite-utils==4.2.1 sqlite-fts4==1.0.3 click-default-group==1.2.4 tabulate==0.10.0 pluggy==1.6.0
-ruamel.yaml==0.19.1 filelock==3.20.0 merge3==1.0.0"
+ruamel.yaml==0.19.1 filelock==3.20.0 merge3==1.0.0
+py-spy==0.4.3"
 rm -rf .whl && mkdir -p .whl
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -13,6 +13,7 @@
 #                                                               # with OUT=, what `results` gives less the report
 #   bash benchmarks/vllm_h200/run.sh compare                    # the kept stack against vLLM's defaults
 #   bash benchmarks/vllm_h200/run.sh cotenant                   # one server alone, beside a sleeping one, alone
+#   [OUT=$OUT] bash benchmarks/vllm_h200/run.sh profile [SECONDS] # py-spy of the serving engine core: shares
 #   bash benchmarks/vllm_h200/run.sh results                    # results.tgz (status, report, history),
 #                                                               # jit-cache.tgz and triton-cache.tgz into $OUT
 #   bash benchmarks/vllm_h200/run.sh unpack NAME FILES_AT       # here: into results/NAME, the cache into .cache/jit
@@ -41,7 +42,7 @@ CONFIG=$PROJ/benchmarks/vllm_h200/orchestrator.yaml
 # default, and its log shows compilation mode NONE for this model, under which the qk-norm-rope pass does not run).
 declare -A PARTS=(
     [1]="max-num-seqs-256,max-batched-tokens-32k,moe-backend"
-    [2]="async-scheduling,moe-backend,ssm-state-bf16,cudagraph-capture-size"
+    [2]="prefill-cudagraph-tokens,moe-backend,ssm-state-bf16,async-scheduling"
     [3]="fusion-qk-norm-rope,api-server-count,stream-interval"
     [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
 )
@@ -83,7 +84,14 @@ pack() {
     [[ ${2:-} == report ]] && { orch report --out "$pack/report" > /dev/null 2>&1 || true; }
     cp "$WORK"/run.log "$WORK"/compare.log "$WORK"/compare*.json "$WORK"/compare.md "$WORK"/cotenant.{log,json} \
         "$pack/" 2>/dev/null || true
-    cp "$WORK/serve/serve.yaml" "$pack/kept-serve.yaml" 2>/dev/null || true
+    # the serve config: the kept stack only where no run is going; mid-run it may hold the change of the step
+    # being measured (STATE= with FROM=serve-now.yaml continues, and the next run rolls that step back first),
+    # so it gets a name that `compare` and `cotenant` are not given by mistake
+    if alive "$WORK/run.pid"; then
+        cp "$WORK/serve/serve.yaml" "$pack/serve-now.yaml" 2>/dev/null || true
+    else
+        cp "$WORK/serve/serve.yaml" "$pack/kept-serve.yaml" 2>/dev/null || true
+    fi
     # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
     # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
     if [[ -f $WORK/state/orchestrator.db ]]; then
@@ -177,7 +185,7 @@ case ${1:-} in
         setup
         if [[ -n ${STATE:-} ]]; then  # the history of the part before, from its `results`: its calibration holds
             [[ -f $STATE/orchestrator.db ]] || die "STATE=$STATE: no orchestrator.db there (a part's results/state)"
-            [[ -n ${FROM:-} ]] || die "STATE= needs FROM=, the serve config that history kept (kept-serve.yaml)"
+            [[ -n ${FROM:-} ]] || die "STATE= needs FROM=, the serve config that history left (kept-serve.yaml, or serve-now.yaml of a part cut short)"
             [[ -e $WORK/state ]] && die "$WORK/state exists: STATE= starts a fresh machine from a part's history"
             cp -r "$STATE" "$WORK/state"
         fi
@@ -214,6 +222,10 @@ case ${1:-} in
         mkdir -p "$WORK" && cp "$HERE/defaults.yaml" "$WORK/defaults.yaml"
         kept_job compare "the comparison"
         ;;
+    profile)  # where the serving engine core's time goes (py-spy from .whl, installed by setup): into $OUT
+        [[ -x $SITE/bin/py-spy ]] || die "no $SITE/bin/py-spy: start a job first (its setup installs .whl)"
+        python3 "$HERE/profile.py" record "${OUT:-$WORK}" --seconds "${2:-15}" --py-spy "$SITE/bin/py-spy"
+        ;;
     cotenant)
         # does a sleeping server slow the awake one? One server of the kept serve config alone, beside a second
         # asleep, alone again: about 8 minutes with a warm kernel cache
@@ -226,7 +238,7 @@ case ${1:-} in
         pack "$out" report
         jit_caches "$out"
         ls -la "$out"
-        cat "$WORK/pack/status.txt" "$WORK/pack/kept-serve.yaml" 2>/dev/null || true
+        cat "$WORK/pack/status.txt" "$WORK/pack/kept-serve.yaml" "$WORK/pack/serve-now.yaml" 2>/dev/null || true
         cat "$WORK/compare.md" 2>/dev/null || true
         ;;
     unpack)

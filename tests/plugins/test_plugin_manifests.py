@@ -26,7 +26,7 @@ SHIPPED = {
     "gdn-prefill-triton", "gdn-decode-triton", "gdn-fused-triton",              # Gated DeltaNet
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
     "max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",  # vLLM serve options
-    "kv-cache-fp8", "cudagraph-capture-size", "api-server-count", "stream-interval", "fusion-qk-norm-rope",
+    "kv-cache-fp8", "prefill-cudagraph-tokens", "api-server-count", "stream-interval", "fusion-qk-norm-rope",
     "moe-backend", "quantization-fp8", "ssm-state-bf16",
 }
 ENGINE_TOO = {"async-scheduling"}  # vLLM-serve plugins whose key the engine has too
@@ -36,7 +36,8 @@ VLLM_SERVE = {"max-num-seqs-search": ("max-num-seqs", "max-num-seqs"),
               "prefix-caching": ("enable-prefix-caching", "enable-prefix-caching"),
               "async-scheduling": ("async-scheduling", "async-scheduling"),
               "kv-cache-fp8": ("kv-cache-dtype", "kv-cache-dtype"),
-              "cudagraph-capture-size": ("max-cudagraph-capture-size", "max-cudagraph-capture-size"),
+              "prefill-cudagraph-tokens": ("compilation-config.max_prefill_cudagraph_capture_tokens",
+                                           "compilation-config.max_prefill_cudagraph_capture_tokens"),
               "api-server-count": ("api-server-count", "api-server-count"),
               "stream-interval": ("stream-interval", "stream-interval"),
               "fusion-qk-norm-rope": ("compilation-config.pass_config.enable_qk_norm_rope_fusion",

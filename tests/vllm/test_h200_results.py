@@ -222,6 +222,35 @@ def test_a_reading_the_history_cut_is_named_not_a_crash(tmp_path):
     assert configurations(tmp_path / "h.db") == ["configuration step 1 candidate: no reading (cut)"]
 
 
+def test_a_poll_mid_run_names_the_serve_config_as_it_is_not_as_kept(tmp_path):
+    """While a run is going the serve config may hold the change of the step being measured: a poll brings it back
+    as serve-now.yaml, and kept-serve.yaml only once no run is going (a cut part once passed a candidate's
+    config as the kept stack to `cotenant`)."""
+    db = a_run(tmp_path)
+    (tmp_path / "work" / "serve" / "serve.yaml").write_text("max-num-seqs: 256\nkernel-config: {moe_backend: x}\n")
+    run = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "work" / "run.pid").write_text(f"{run.pid}\n")
+        out = tmp_path / "out"
+        done = script("status", tmp=tmp_path, OUT=str(out), HOME=str(tmp_path / "home"))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"running (pid {run.pid})")
+    finally:
+        run.kill()
+        run.wait()
+    db.close()
+    assert script("unpack", "cut", str(out), tmp=tmp_path).returncode == 0
+    dest = tmp_path / "results" / "cut"
+    assert (dest / "serve-now.yaml").read_text() == "max-num-seqs: 256\nkernel-config: {moe_backend: x}\n"
+    assert not (dest / "kept-serve.yaml").exists()
+    # the run gone, the same poll names it kept
+    again = tmp_path / "out2"
+    assert script("status", tmp=tmp_path, OUT=str(again), HOME=str(tmp_path / "home")).returncode == 0
+    assert script("unpack", "done", str(again), tmp=tmp_path).returncode == 0
+    assert (tmp_path / "results" / "done" / "kept-serve.yaml").is_file()
+    assert not (tmp_path / "results" / "done" / "serve-now.yaml").exists()
+
+
 def test_every_poll_brings_the_history_back(tmp_path):
     """`OUT=… run.sh status` packs results.tgz as `results` does (no report), and the JIT cache: a machine taken
     back mid-run leaves here what it had decided."""

@@ -67,7 +67,7 @@ TEST_PLUGINS = {  # id: (order, serve-config key, value)
 }
 # 0.10.2 has the options of the first two, not the third's, and no fp8_per_tensor among the values of
 # --quantization; kv-cache-fp8 declares that it changes numerics
-SHIPPED = ("async-scheduling", "kv-cache-fp8", "cudagraph-capture-size", "quantization-fp8")
+SHIPPED = ("async-scheduling", "kv-cache-fp8", "prefill-cudagraph-tokens", "quantization-fp8")
 
 
 def standin_env(tmp_path: Path) -> dict[str, str]:
@@ -165,9 +165,9 @@ def test_live_run_keeps_rolls_back_and_leaves_nothing_behind(deployment):
     assert (stall["outcome"], stall["reason"]) == ("rolled_back", "timeout"), stall
     assert "did not answer /health" in stall["detail"]
     # the option the installed vLLM lacks, read from its source
-    graphs = steps["cudagraph-capture-size"]
+    graphs = steps["prefill-cudagraph-tokens"]
     assert (graphs["outcome"], graphs["reason"]) == ("skipped", "not_applicable"), graphs
-    assert "has no serve option --max-cudagraph-capture-size" in graphs["detail"]
+    assert "has no field 'max_prefill_cudagraph_capture_tokens'" in graphs["detail"], graphs["detail"]
     fp8 = steps["quantization-fp8"]
     assert (fp8["outcome"], fp8["reason"]) == ("skipped", "not_applicable"), fp8
     assert "--quantization takes no value 'fp8_per_tensor'" in fp8["detail"]

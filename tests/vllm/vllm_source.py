@@ -23,9 +23,9 @@ SERVE_OPTIONS = {"max-num-seqs-search", "max-batched-tokens-search", "prefix-cac
                  "kv-cache-fp8", "api-server-count"}
 ON_PINNED = {"max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-layout", "decode-v2-triton",
              "prefill-triton", "prefill-triton-tuning"} | SERVE_OPTIONS
-# what 0.10.2 lacks: --max-cudagraph-capture-size, --stream-interval, pass_config.enable_qk_norm_rope_fusion,
+# what 0.10.2 lacks: compilation_config.max_prefill_cudagraph_capture_tokens, --stream-interval, pass_config.enable_qk_norm_rope_fusion,
 # --kernel-config, fp8_per_tensor among the values of --quantization, bfloat16 among those of --mamba-ssm-cache-dtype
-NEWER_ONLY = {"cudagraph-capture-size", "stream-interval", "fusion-qk-norm-rope", "moe-backend", "quantization-fp8",
+NEWER_ONLY = {"prefill-cudagraph-tokens", "stream-interval", "fusion-qk-norm-rope", "moe-backend", "quantization-fp8",
               "ssm-state-bf16"}
 FORK_ONLY = {"fork-head-mapping-tensor", "fork-enable-triton", "fork-xformers-flash-prefill", "decode-v2-long",
              "decode-threshold-64k"}
