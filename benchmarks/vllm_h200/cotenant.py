@@ -9,7 +9,7 @@ staged run's own serving probe in three conditions, WINDOWS windows each after o
     alone      again, the second server stopped
 
 Started by `run.sh cotenant`:  python3 cotenant.py ORCHESTRATOR_YAML WORK   (WINDOWS, default 4)
-Writes WORK/cotenant.json (every window's result) and prints a table: each condition's mean score and spread.
+Writes WORK/cotenant.json (every window's result, after each window) and prints a table: each condition's mean score and spread.
 """
 from __future__ import annotations
 
@@ -52,16 +52,24 @@ def started(project, label: str):
     return server
 
 
-def measure(project, server, condition: str, windows: int, seed: int) -> list[dict]:
-    out = []
+def save(results: list[dict], path: Path) -> None:
+    """Whole or not at all: a poll reading it mid-write sees the windows before."""
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(results))
+    os.replace(part, path)
+
+
+def measure(project, server, condition: str, windows: int, seed: int, results: list[dict], path: Path) -> None:
+    """WINDOWS windows after a settling one into `results`, each written to `path` as it comes: a test stopped
+    part-way (a lease's end, a kill) leaves every window it took."""
     for i in range(windows + 1):  # the first settles the server and is not counted
         result = {"condition": condition, "window": i, "counted": i > 0, **window(project, server.url, seed + i)}
         print(f"{condition} #{i}{'' if i else ' (settling)'}: " + (
             f"score {result['score']:,.0f}, {result['output_throughput']:,.0f} out tok/s, "
             f"TPOT {result['mean_tpot_ms']:.1f} ms" if "score" in result else f"failed: {str(result['error'])[:300]}"),
             flush=True)
-        out.append(result)
-    return out
+        results.append(result)
+        save(results, path)
 
 
 def table(results: list[dict]) -> list[str]:
@@ -79,23 +87,24 @@ def main(argv: list[str]) -> int:
     work = Path(argv[1])
     windows = max(2, int(os.environ.get("WINDOWS", "4")))
     results: list[dict] = []
+    path = work / "cotenant.json"
     first = second = None
     try:
         first = started(project, "cotenant-first")
-        results += measure(project, first, "alone", windows, 100)
+        measure(project, first, "alone", windows, 100, results, path)
         switch(first, "sleep")
         second = started(project, "cotenant-second")
         switch(second, "sleep")
         switch(first, "wake")
-        results += measure(project, first, "beside a sleeping server", windows, 200)
+        measure(project, first, "beside a sleeping server", windows, 200, results, path)
         second.stop()
         second = None
-        results += measure(project, first, "alone again", windows, 300)
+        measure(project, first, "alone again", windows, 300, results, path)
     finally:
         for server in (first, second):
             if server is not None:
                 server.stop()
-        (work / "cotenant.json").write_text(json.dumps(results))
+        save(results, path)
     print("\n".join(table(results)))
     return 0
 

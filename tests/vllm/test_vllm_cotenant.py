@@ -2,9 +2,13 @@
 one server measured alone, beside a second one asleep, and alone again, read back from the servers' own record."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from test_vllm_live import REPO, left_behind, standin_env
@@ -38,3 +42,29 @@ def test_one_server_is_measured_alone_beside_a_sleeping_one_and_alone_again(tmp_
     stop_at = next(e["t"] for e in events if e["event"] == "stop" and e["pid"] == second)
     assert sum(sleep_at < e["t0"] < stop_at for e in events if e["event"] == "completion") > 0
     assert left_behind(str(folder)) == []
+
+
+def test_a_test_killed_part_way_leaves_every_window_it_took(tmp_path, vllm_pinned):
+    """The lease can end mid-test (no `finally` runs on SIGKILL): each window is on disk as soon as it is taken."""
+    folder = project(tmp_path, linked(vllm_pinned, tmp_path / "vllm"), {}, {})
+    work = tmp_path / "work"
+    work.mkdir()
+    test = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "vllm_h200" / "cotenant.py"),
+                             "orchestrator.yaml", str(work)], cwd=folder, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**standin_env(folder), "WINDOWS": "4"})
+    path = work / "cotenant.json"
+    try:
+        deadline = time.monotonic() + 600
+        while not (path.is_file() and len(json.loads(path.read_text() or "[]")) >= 2):
+            assert test.poll() is None and time.monotonic() < deadline, "no two windows written while it ran"
+            time.sleep(0.2)
+    finally:
+        test.kill()
+        test.wait()
+        for line in left_behind(str(folder)):  # the server it started, in a process group of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(line.split(":")[0]), signal.SIGKILL)
+    results = json.loads(path.read_text())
+    assert 2 <= len(results) < 15
+    assert [(r["condition"], r["window"]) for r in results[:2]] == [("alone", 0), ("alone", 1)]
+    assert all(r["score"] > 0 for r in results)
