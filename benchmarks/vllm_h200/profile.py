@@ -28,10 +28,10 @@ def read_raw(path: Path) -> list[tuple[list[str], int]]:
     stacks = []
     with opener(path, "rt") as f:
         for number, line in enumerate(f, 1):
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not stack or not count.isdigit():
+            stack, space, count = line.rstrip("\n").rpartition(" ")
+            if not space or not count.isdigit():
                 raise ValueError(f"{path}: line {number} is not 'frame;frame;... COUNT': {line[:80]!r}")
-            stacks.append((stack.split(";"), int(count)))
+            stacks.append((stack.split(";") if stack else [], int(count)))  # no frames: a sample py-spy could not read
     return stacks
 
 
