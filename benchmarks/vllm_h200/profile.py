@@ -4,7 +4,7 @@ The engine core schedules, launches and samples every step from one Python threa
 a step's pace (the GPU under half busy at full clocks, the process at a whole core), its frames say which part
 of the step costs the time: the model's forward launched eagerly, the scheduler, sampling.
 
-    python3 profile.py record OUT [--seconds 15] [--py-spy PATH]   # the newest engine core, into OUT
+    python3 profile.py record OUT [--seconds 15] [--py-spy PATH]   # the serving engine core, into OUT
     python3 profile.py summary RAW [--within FRAME] [--top 30]     # a recording (raw, or .gz) as shares
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -55,21 +56,31 @@ def summary(stacks: list[tuple[list[str], int]], within: str = SERVING, top: int
     return "\n".join(lines)
 
 
-def engine_core_pid(proc: Path = Path("/proc")) -> int:
-    """The newest process titled as vLLM's engine core (the one serving, where a second sleeps beside it)."""
-    found = []
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == ENGINE_CORE:
-                    # field 22 of stat: the start time in clock ticks (after the command, which may hold spaces)
-                    started = int((entry / "stat").read_text().rpartition(")")[2].split()[19])
-                    found.append((started, int(entry.name)))
-            except OSError:
-                continue
-    if not found:
+def _cpu_ticks(stat: str) -> int:
+    """utime + stime of a /proc/PID/stat line (fields 14 and 15, counted after the command, which may hold spaces)."""
+    fields = stat.rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def engine_core_pid(proc: Path = Path("/proc"), interval: float = 0.5) -> int:
+    """The busiest process titled as vLLM's engine core over `interval` seconds: the one serving, where another
+    server sleeps beside it (the staged run's kept state, or a candidate's)."""
+    def ticks() -> dict[int, int]:
+        found = {}
+        for entry in proc.iterdir():
+            if entry.name.isdigit():
+                try:
+                    if (entry / "comm").read_text().strip() == ENGINE_CORE:
+                        found[int(entry.name)] = _cpu_ticks((entry / "stat").read_text())
+                except OSError:
+                    continue
+        return found
+    before = ticks()
+    if not before:
         raise SystemExit(f"no process titled {ENGINE_CORE!r}: is a vLLM server running?")
-    return max(found)[1]
+    time.sleep(interval)
+    after = ticks()
+    return max(after, key=lambda pid: (after[pid] - before.get(pid, after[pid]), pid))
 
 
 def record(out: Path, seconds: int, py_spy: str) -> Path:
@@ -94,7 +105,7 @@ def record(out: Path, seconds: int, py_spy: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    rec = sub.add_parser("record", help="sample the newest engine core into OUT/enginecore-profile.txt.gz")
+    rec = sub.add_parser("record", help="sample the busiest engine core into OUT/enginecore-profile.txt.gz")
     rec.add_argument("out", type=Path)
     rec.add_argument("--seconds", type=int, default=15)
     rec.add_argument("--py-spy", default="py-spy")

@@ -60,30 +60,31 @@ def test_a_bad_recording_names_its_file_and_line(tmp_path):
     assert "no sample holds a frame '_process_engine_step' (10 samples in all)" in run("summary", str(empty)).stdout
 
 
-def test_record_samples_the_newest_engine_core_and_brings_it_back_packed(tmp_path):
-    """A stand-in py-spy writes the recording py-spy would; the engine core is a real process named as vLLM
-    names it (prctl PR_SET_NAME), started after an older one, which is not the one sampled."""
+def test_record_samples_the_serving_engine_core_and_brings_it_back_packed(tmp_path):
+    """A stand-in py-spy writes the recording py-spy would; the engine cores are real processes named as vLLM
+    names them (prctl PR_SET_NAME): one busy, as a serving one is, started before one idle, as a sleeping one is,
+    and the busy one is sampled."""
     py_spy = tmp_path / "py-spy"
     py_spy.write_text("#!/bin/sh\n# record --pid PID ... --output FILE\n"
                       'echo "$@" > "$(dirname "$0")/args"\n'
                       'for last; do :; done\n'
                       f"printf '%s\\n' '{STEP};schedule (scheduler.py:930) 7' > \"$last\"\n")
     py_spy.chmod(0o755)
-    title = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); "
-             "open(__import__('sys').argv[1], 'w').close(); time.sleep(60)")
+    title = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); "
+             "open(sys.argv[1], 'w').close(); end = time.time() + 60\n"
+             "while time.time() < end: sys.argv[2] == 'busy' or time.sleep(60)")
     cores = []
     try:
-        for name in ("old", "new"):
+        for name in ("busy", "idle"):
             ready = tmp_path / name
-            cores.append(subprocess.Popen([sys.executable, "-c", title, str(ready)]))
+            cores.append(subprocess.Popen([sys.executable, "-c", title, str(ready), name]))
             while not ready.exists():
                 time.sleep(0.05)
-            time.sleep(0.2)  # start times are counted in clock ticks
         out = tmp_path / "out"
         done = run("record", str(out), "--seconds", "3", "--py-spy", str(py_spy))
         assert done.returncode == 0, done.stderr
         args = (tmp_path / "args").read_text().split()
-        assert args[args.index("--pid") + 1] == str(cores[-1].pid)
+        assert args[args.index("--pid") + 1] == str(cores[0].pid)  # the busy one, the older
         assert args[args.index("--duration") + 1] == "3"
         assert sorted(p.name for p in out.iterdir()) == ["enginecore-profile.txt.gz"]
         assert gzip.decompress((out / "enginecore-profile.txt.gz").read_bytes()).decode().endswith(" 7\n")
