@@ -19,7 +19,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ENGINE_CORE = "VLLM::EngineCor"  # the process title, as the kernel's 15-character comm holds it
+import psutil
+
+# the process title as the kernel's 15-character comm holds it (psutil gives the whole title where vLLM's
+# setproctitle also rewrote the command line: "VLLM::EngineCore")
+ENGINE_CORE = "VLLM::EngineCor"
 SERVING = "_process_engine_step"  # a frame every sample of a serving step holds (vLLM 0.34.0's busy loop)
 
 
@@ -56,30 +60,20 @@ def summary(stacks: list[tuple[list[str], int]], within: str = SERVING, top: int
     return "\n".join(lines)
 
 
-def _cpu_ticks(stat: str) -> int:
-    """utime + stime of a /proc/PID/stat line (fields 14 and 15, counted after the command, which may hold spaces)."""
-    fields = stat.rpartition(")")[2].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def engine_core_pid(proc: Path = Path("/proc"), interval: float = 0.5) -> int:
+def engine_core_pid(interval: float = 0.5) -> int:
     """The busiest process titled as vLLM's engine core over `interval` seconds: the one serving, where another
     server sleeps beside it (the staged run's kept state, or a candidate's)."""
-    def ticks() -> dict[int, int]:
+    def cpu_seconds() -> dict[int, float]:
         found = {}
-        for entry in proc.iterdir():
-            if entry.name.isdigit():
-                try:
-                    if (entry / "comm").read_text().strip() == ENGINE_CORE:
-                        found[int(entry.name)] = _cpu_ticks((entry / "stat").read_text())
-                except OSError:
-                    continue
+        for proc in psutil.process_iter(["name", "cpu_times"]):
+            if (proc.info["name"] or "").startswith(ENGINE_CORE) and proc.info["cpu_times"] is not None:
+                found[proc.pid] = proc.info["cpu_times"].user + proc.info["cpu_times"].system
         return found
-    before = ticks()
+    before = cpu_seconds()
     if not before:
         raise SystemExit(f"no process titled {ENGINE_CORE!r}: is a vLLM server running?")
     time.sleep(interval)
-    after = ticks()
+    after = cpu_seconds()
     return max(after, key=lambda pid: (after[pid] - before.get(pid, after[pid]), pid))
 
 
@@ -94,6 +88,7 @@ def record(out: Path, seconds: int, py_spy: str) -> Path:
                            "--format", "raw", "--nonblocking", "--output", str(raw)],
                           capture_output=True, text=True, timeout=seconds + 60)
     if done.returncode != 0 or not raw.is_file():
+        raw.unlink(missing_ok=True)  # a recording cut short is no recording
         raise SystemExit(f"py-spy record --pid {pid} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
     packed = raw.with_suffix(".txt.gz")
     with open(raw, "rb") as src, gzip.open(packed, "wb") as dst:
