@@ -87,11 +87,9 @@ pack() {
     # the serve config: the kept stack only where no run is going; mid-run it may hold the change of the step
     # being measured (STATE= with FROM=serve-now.yaml continues, and the next run rolls that step back first),
     # so it gets a name that `compare` and `cotenant` are not given by mistake
-    if alive "$WORK/run.pid"; then
-        cp "$WORK/serve/serve.yaml" "$pack/serve-now.yaml" 2>/dev/null || true
-    else
-        cp "$WORK/serve/serve.yaml" "$pack/kept-serve.yaml" 2>/dev/null || true
-    fi
+    local serve=kept-serve.yaml
+    alive "$WORK/run.pid" && serve=serve-now.yaml
+    cp "$WORK/serve/serve.yaml" "$pack/$serve" 2>/dev/null || true
     # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
     # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
     if [[ -f $WORK/state/orchestrator.db ]]; then
