@@ -1,4 +1,6 @@
-"""An installed vLLM: plugins patch its package folder and edit the `vllm serve --config` YAML.
+"""An installed vLLM: plugins patch its package folder and edit the `vllm serve --config` YAML, and beside it
+the serve environment file (``serve-env.yaml``, orchestrator.targets.serve_env) for what vLLM reads only from its
+environment.
 
 The package is located without importing it, because importing vLLM initialises CUDA and takes
 seconds; a patched file must also be read from disk, never from an already-imported module.
@@ -20,6 +22,7 @@ from orchestrator.loading import ConfigError
 from orchestrator.probes.live_server import LiveServer
 from orchestrator.probes.workload import Workload
 from orchestrator.targets.base import Target, TargetConfig
+from orchestrator.targets.serve_env import SERVE_ENV, read_serve_env
 from orchestrator.targets.vllm_options import DEV_MODE_ENV, find_package
 
 # vLLM's routes in development mode: level 1 moves the weights to the host's memory and drops the KV cache, so a
@@ -95,6 +98,11 @@ class VllmTarget(Target):
         return self.resolve(self.config.serve_config)
 
     @property
+    def serve_env(self) -> Path:
+        """The state's serve environment file: beside the serve config, in the root plugins edit."""
+        return self.serve_config.parent / SERVE_ENV
+
+    @property
     def roots(self) -> dict[str, Path]:
         return {"vllm": self.package, "serve": self.serve_config.parent}
 
@@ -124,9 +132,12 @@ class VllmTarget(Target):
         if self.config.model is None and not _config_has_model(self.serve_config):
             raise self.error("target.serve_config", f"{self.serve_config} names no `model:`; "
                               "add one or set target.model")
+        read_serve_env(self.serve_env)
 
     def env(self) -> dict[str, str]:
-        extra = dict(self.config.env)
+        """The target's ``env``, then the state's serve environment as it is on disk now: read at every server
+        start, as vLLM reads the serve config."""
+        extra = {**self.config.env, **read_serve_env(self.serve_env)}
         if self.config.model:
             extra["ORCHESTRATOR_VLLM_MODEL"] = self.config.model
         if self.config.package:

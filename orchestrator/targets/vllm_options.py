@@ -8,12 +8,17 @@ entry points, plus the fields of the frontend dataclasses, whose options are add
 option taking a JSON config (``compilation-config``, ``kernel-config``) the fields of its class are its nested
 keys, and the fields of a field's own config class the keys below that (``compilation-config.pass_config.X``).
 Sleep mode is read too: ``--enable-sleep-mode`` and the routes that put a server to sleep and wake it
-(``POST /sleep``, ``POST /wake_up``), which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``.
+(``POST /sleep``, ``POST /wake_up``), which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``. So are the
+environment variables it reads (the keys of ``environment_variables`` in ``envs.py``): some settings exist only
+there (``VLLM_USE_BREAKABLE_CUDAGRAPH``), and a state sets them in the serve environment file beside its serve
+config (``orchestrator.targets.vllm.SERVE_ENV``).
 
 Plugins use the command line as a precondition and as a check:
 
     python -m orchestrator.targets.vllm_options has max-num-seqs async-scheduling   # exit 1 naming what is missing
     python -m orchestrator.targets.vllm_options check serve.yaml                     # every key is an option
+    python -m orchestrator.targets.vllm_options has-env VLLM_USE_BREAKABLE_CUDAGRAPH  # a variable it reads
+    python -m orchestrator.targets.vllm_options check-env serve-env.yaml            # every VLLM_ name is one
     python -m orchestrator.targets.vllm_options list                                 # JSON
 
 The package is ``--package``, else ``$ORCHESTRATOR_ROOT_VLLM`` (the vllm target's root), else the
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.loading import ConfigError
+from orchestrator.targets.serve_env import read_serve_env
 
 # files (relative to the package) whose argument parsers make up `vllm serve`, across versions
 PARSER_FILES = ("engine/arg_utils.py", "entrypoints/openai/cli_args.py", "entrypoints/common/cli_args.py",
@@ -61,6 +67,7 @@ class ServeOptions:
     # option (or option.field) -> the fields of its config class
     nested: dict[str, frozenset[str]] = field(default_factory=dict)
     sleep_routes: bool = False  # the source serves SLEEP_ROUTES when DEV_MODE_ENV is set
+    env_vars: frozenset[str] = frozenset()  # the environment variables envs.py declares
 
     @property
     def sleeps(self) -> bool:
@@ -102,10 +109,22 @@ class ServeOptions:
             path = f"{path}.{part}"
         return None
 
+    def missing_env(self, name: str) -> str | None:
+        """Why the environment variable ``name`` is not one this vLLM reads, or None when it is; only ``VLLM_``
+        names are vLLM's to judge (CUDA's, NCCL's and the like pass)."""
+        if not name.startswith("VLLM_") or name in self.env_vars:
+            return None
+        if not self.env_vars:
+            return f"{self.where}: cannot read the environment variables it reads from its envs.py"
+        close = difflib.get_close_matches(name, sorted(self.env_vars), n=3, cutoff=0.8)
+        hint = f" (it reads {', '.join(close)})" if close else ""
+        return f"{self.where} reads no environment variable {name}{hint}"
+
     def to_json(self) -> dict:
         return {"package": str(self.package), "version": self.version, "options": sorted(self.options),
                 "engine_fields": sorted(self.engine_fields),
-                "nested": {k: sorted(v) for k, v in self.nested.items()}, "sleeps": self.sleeps}
+                "nested": {k: sorted(v) for k, v in self.nested.items()}, "sleeps": self.sleeps,
+                "env_vars": sorted(self.env_vars)}
 
 
 class SourceError(Exception):
@@ -217,7 +236,7 @@ def read(package: Path) -> ServeOptions:
         if option in options:
             _nest(package, option, cls, nested, NESTED_DEPTH)
     return ServeOptions(package, version_of(package), frozenset(options), frozenset(engine_fields), nested,
-                        _serves_sleep_routes(package))
+                        _serves_sleep_routes(package), _env_vars(package))
 
 
 def _nest(package: Path, path: str, cls: str, nested: dict[str, frozenset[str]], depth: int) -> None:
@@ -257,6 +276,20 @@ def _serves_sleep_routes(package: Path) -> bool:
                     and node.args and isinstance(node.args[0], ast.Constant)):
                 routes.add(node.args[0].value)
     return set(SLEEP_ROUTES) <= routes
+
+
+def _env_vars(package: Path) -> frozenset[str]:
+    """The string keys of ``environment_variables`` in ``envs.py`` (every variable vLLM reads through it)."""
+    envs = package / "envs.py"
+    if not envs.is_file():
+        return frozenset()
+    for node in _parse(envs).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if getattr(target, "id", None) == "environment_variables" and isinstance(node.value, ast.Dict):
+            return frozenset(k.value for k in node.value.keys
+                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return frozenset()
 
 
 def config_keys(path: Path) -> list[str]:
@@ -323,21 +356,37 @@ def main(argv: list[str] | None = None) -> int:
                      "with =VALUE a value its type lists: quantization=fp8_per_tensor")
     check = sub.add_parser("check", help="exit 0 when every key of a serve config is a serve option")
     check.add_argument("config", type=Path)
+    has_env = sub.add_parser("has-env", help="exit 0 when vLLM reads every NAME from its environment, else 1")
+    has_env.add_argument("names", nargs="+", metavar="NAME", help="e.g. VLLM_USE_BREAKABLE_CUDAGRAPH")
+    check_env = sub.add_parser("check-env", help="exit 0 when every VLLM_ name of a serve environment file (absent: "
+                               "none) is a variable vLLM reads")
+    check_env.add_argument("file", type=Path)
     sub.add_parser("list", help="print the options as JSON")
     args = p.parse_args(argv)
+    env = args.command in ("has-env", "check-env")
+    if args.command == "check-env":
+        try:
+            names = list(read_serve_env(args.file))
+        except ConfigError as exc:
+            print(exc, file=sys.stderr)
+            return 1
     try:
         options = read(args.package or default_package())
         if args.command == "list":
             print(json.dumps(options.to_json()))
             return 0
-        keys = args.keys if args.command == "has" else config_keys(args.config)
+        keys = {"has": lambda: args.keys, "check": lambda: config_keys(args.config), "has-env": lambda: args.names,
+                "check-env": lambda: names}[args.command]()
     except Exception as exc:  # noqa: BLE001 - any failure to read is a clear "no" for a precondition
         print(f"cannot read vLLM's serve options: {exc}", file=sys.stderr)
         return 1
-    problems = [why for key in keys if (why := options.missing(key))]
+    problems = [why for key in keys if (why := (options.missing_env(key) if env else options.missing(key)))]
     for why in problems:
         print(why, file=sys.stderr)
-    if not problems:
+    if not problems and env:
+        read_here = ", ".join(keys) if args.command == "has-env" else f"every VLLM_ variable of {args.file}"
+        print(f"{options.where} reads {read_here}")
+    elif not problems:
         named = ["--" + normalize(k.partition("=")[0]) + "".join(k.partition("=")[1:]) for k in keys]
         what = "its keys are" if args.command == "check" else ", ".join(named) + " are"
         print(f"{options.where}: {what} serve options")

@@ -27,7 +27,7 @@ SHIPPED = {
     "fork-head-mapping-tensor", "fork-xformers-flash-prefill", "fork-enable-triton",  # fork-only fixes
     "max-num-seqs-search", "max-batched-tokens-search", "prefix-caching", "async-scheduling",  # vLLM serve options
     "kv-cache-fp8", "prefill-cudagraph-tokens", "api-server-count", "stream-interval", "fusion-qk-norm-rope",
-    "moe-backend", "quantization-fp8", "ssm-state-bf16",
+    "moe-backend", "quantization-fp8", "ssm-state-bf16", "torch-compile",
 }
 ENGINE_TOO = {"async-scheduling"}  # vLLM-serve plugins whose key the engine has too
 # vLLM-serve plugin: (the key its precondition asks the installed vLLM for, the serve-config key it sets)
@@ -44,7 +44,7 @@ VLLM_SERVE = {"max-num-seqs-search": ("max-num-seqs", "max-num-seqs"),
                                       "compilation-config.pass_config.enable_qk_norm_rope_fusion"),
               "moe-backend": ("kernel-config.moe_backend=flashinfer_cutlass", "kernel-config.moe_backend"),
               "quantization-fp8": ("quantization=fp8_per_tensor", "quantization")}
-CHANGES_NUMERICS = {"kv-cache-fp8", "quantization-fp8", "ssm-state-bf16"}
+CHANGES_NUMERICS = {"kv-cache-fp8", "quantization-fp8", "ssm-state-bf16", "torch-compile"}
 
 
 TIMED = "prefill-triton-autotune"  # its step times launches on the device, then writes the serve config
@@ -180,17 +180,24 @@ def test_every_vllm_serve_variant_passes_its_own_file_checks_on_the_shipped_conf
             continue  # it patches vLLM's source (tests/vllm)
         ctx = StepContext(roots={"vllm": tmp_path, "serve": tmp_path}, kind="vllm", plugin_dir=plugin.folder, env={})
         for variant in plugin.variants:
-            serve.write_bytes(config.read_bytes())
+            files = {serve: config.read_bytes()}  # the serve config, and the serve environment where one is written
             for step in variant.apply:
                 if step.runs_on("vllm") and step.kind == "yaml_set":
-                    serve.write_bytes(compute(step, ctx, lambda p: p.read_bytes())[3])
+                    _, _, full, data = compute(step, ctx, files.get)
+                    files[full] = data
+            for path, data in files.items():
+                path.write_bytes(data)
             for chk in variant.verify:
                 if chk.runs_on("vllm") and chk.kind in FILE_CHECKS:
                     ok, why = check(chk, ctx)
                     assert ok, f"{plugin.id} {variant.label} on {config.name}: {why}"
                     checked += 1
-            assert yaml.safe_load(serve.read_text()) != yaml.safe_load(config.read_text()), plugin.id
-    assert checked >= 16
+            assert len(files) > 1 or yaml.safe_load(serve.read_text()) != yaml.safe_load(config.read_text()), \
+                plugin.id
+            for path in files:
+                if path != serve:
+                    path.unlink()
+    assert checked >= 17
 
 
 def test_changes_numerics_reaches_the_probe_environment(tmp_path):

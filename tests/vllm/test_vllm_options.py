@@ -110,3 +110,31 @@ def test_sleep_mode_nested_fields_and_values(vllm_pinned, vllm_newest, tmp_path)
     bad = cli("--package", str(vllm_pinned), "check", str(serve))
     assert bad.returncode == 1 and "no field 'enable_qk_norm_rope_fusion'" in bad.stderr
     assert "--kernel-config" in bad.stderr
+
+
+def test_environment_variables_are_read_from_envs(vllm_pinned, vllm_newest, tmp_path):
+    """The names vLLM reads from its environment (envs.py's environment_variables), for plugins that set one in
+    the serve environment file: has-env as a precondition, check-env as a check."""
+    pinned, newest = vllm_options.read(vllm_pinned), vllm_options.read(vllm_newest)
+    assert len(pinned.env_vars) > 100 and {"VLLM_USE_V1", "VLLM_SERVER_DEV_MODE"} <= pinned.env_vars
+    assert newest.missing_env("VLLM_USE_BREAKABLE_CUDAGRAPH") is None
+    assert pinned.missing_env("VLLM_USE_BREAKABLE_CUDAGRAPH") == \
+        f"vLLM {PINNED} at {vllm_pinned} reads no environment variable VLLM_USE_BREAKABLE_CUDAGRAPH"
+    assert newest.missing_env("CUDA_VISIBLE_DEVICES") is None  # only VLLM_ names are vLLM's to judge
+    ok = cli("--package", str(vllm_newest), "has-env", "VLLM_USE_BREAKABLE_CUDAGRAPH")
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("reads VLLM_USE_BREAKABLE_CUDAGRAPH")
+    no = cli("has-env", "VLLM_USE_BREAKABLE_CUDAGRAPH", ORCHESTRATOR_ROOT_VLLM=str(vllm_pinned))
+    assert no.returncode == 1 and "reads no environment variable VLLM_USE_BREAKABLE_CUDAGRAPH" in no.stderr
+    env = tmp_path / "serve-env.yaml"
+    assert cli("--package", str(vllm_newest), "check-env", str(env)).returncode == 0  # none: sets nothing
+    env.write_text("VLLM_USE_BREAKABLE_CUDAGRAF: '0'\nNCCL_MIN_NCHANNELS: 4\n")
+    typo = cli("--package", str(vllm_newest), "check-env", str(env))
+    assert typo.returncode == 1
+    assert "reads no environment variable VLLM_USE_BREAKABLE_CUDAGRAF (it reads VLLM_USE_BREAKABLE_CUDAGRAPH)" in \
+        typo.stderr
+    env.write_text("VLLM_USE_BREAKABLE_CUDAGRAPH: false\n")
+    bad = cli("--package", str(vllm_newest), "check-env", str(env))
+    assert bad.returncode == 1 and f"{env}: VLLM_USE_BREAKABLE_CUDAGRAPH: the value must be a string" in bad.stderr
+    env.write_text("VLLM_USE_BREAKABLE_CUDAGRAPH: '0'\n")
+    assert cli("--package", str(vllm_newest), "check-env", str(env)).returncode == 0
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" in json.loads(cli("--package", str(vllm_newest), "list").stdout)["env_vars"]

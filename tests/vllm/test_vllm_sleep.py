@@ -6,6 +6,7 @@ the orchestrator's history."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from test_vllm_live import cli, left_behind, measurements, query, server_starts, standin_env
-from vllm_source import linked
+from vllm_source import OPTIMIZATIONS, linked
 
 STEP = 0.15  # seconds of an engine step of several sequences at speed 1 (the stand-in's pace)
 SERVE = """\
@@ -201,3 +202,44 @@ def test_a_wake_that_moves_a_server_like_a_fresh_start_turns_the_run_to_restarts
                                                "AND s.plugin = 'other-seqs' ORDER BY p.id", (run_id,))]
     assert starts == ["live server (candidate)", "live server (baseline)"], starts  # asleep, the kept one would wake
     assert not [e for e in record(folder) if e["event"] in ("sleep", "wake") and e["t"] > calibration["at"]]
+
+
+def test_a_serve_environment_plugin_reaches_its_servers_alone_and_leaves_nothing(tmp_path, vllm_newest):
+    """The shipped torch-compile (VLLM_USE_BREAKABLE_CUDAGRAPH=0 in serve-env.yaml; the newest vLLM's source reads
+    the variable): only its candidate's server starts with it, the configuration probe sees it (measured, not
+    rolled back unmeasured), greedy outputs are judged by agreement, and once it is rolled back the file is gone and
+    the next server starts without it. A plugin that writes a value no environment holds fails alone, naming the
+    file and the key."""
+    package = linked(vllm_newest, tmp_path / "vllm")
+    env_set = {"apply": [{"yaml_set": {"path": "serve-env.yaml", "key": "VLLM_TRACE_FUNCTION", "value": True},
+                          "root": "serve"}]}
+    plugins = {"bool-env": env_set, "then-no-op": {**serve_set("stream-interval", 3), "order": 90}}
+    policy = {"rule": "first", "repeats": 1, "interleave": False, "min_gain": 0.3, "min_pairs": 1, "max_pairs": 1}
+    folder = project(tmp_path, package, plugins, policy)
+    shutil.copytree(OPTIMIZATIONS / "torch-compile", folder / "plugins" / "torch-compile")
+    serve_before = (folder / "serve" / "serve.yaml").read_bytes()
+    run(folder, "run")
+    status = json.loads(cli(folder, "status", "--json").stdout)
+    assert status["run"]["status"] == "finished", status["run"]
+    steps = {s["plugin"]: s for s in status["steps"]}
+    assert list(steps) == ["bool-env", "torch-compile", "then-no-op"]
+
+    bad = steps["bool-env"]
+    assert bad["outcome"] == "rolled_back", bad
+    assert "serve-env.yaml: VLLM_TRACE_FUNCTION: the value must be a string or an integer, not True" in bad["detail"]
+    compiled = steps["torch-compile"]
+    assert compiled["outcome"] == "rolled_back" and compiled["reason"] in ("no_gain", "inconclusive"), compiled
+    assert compiled["decision"]["rule"] != "configuration", compiled  # its server resolved other settings
+    greedy = [json.loads(m["metrics"]) for m in measurements(folder, "torch-compile")
+              if m["probe"] == "greedy" and m["arm"] == "candidate"]
+    assert greedy and all((g["mode"], g["changes_numerics"]) == ("agreement", ["torch-compile"]) for g in greedy)
+
+    starts = [e for e in record(folder) if e["event"] == "start"]
+    with_it = [i for i, e in enumerate(starts) if e["env"].get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "0"]
+    assert with_it and all("VLLM_TRACE_FUNCTION" not in e["env"] for e in starts)
+    assert len(starts) > with_it[-1] + 1  # then-no-op's server, after the rollback: without it
+    assert all("VLLM_USE_BREAKABLE_CUDAGRAPH" not in e["env"] for e in starts[with_it[-1] + 1:])
+    assert all(e["env"].get("VLLM_SERVER_DEV_MODE") == "1" for e in starts)
+    assert not (folder / "serve" / "serve-env.yaml").exists()
+    assert (folder / "serve" / "serve.yaml").read_bytes() == serve_before
+    assert left_behind(str(folder)) == []

@@ -159,6 +159,53 @@ def test_a_serve_config_without_model_needs_the_override(deployment):
     make(deployment, package="site/vllm", serve_config="conf/serve.yaml", model="m").prepare()
 
 
+def test_the_serve_environment_file_reaches_every_server_start(deployment):
+    """serve-env.yaml beside the serve config: read at each call (each server start), over the target's env."""
+    target = make(deployment, package="site/vllm", serve_config="conf/serve.yaml",
+                  env={"VLLM_USE_V1": "0", "VLLM_LOGGING_LEVEL": "INFO"})
+    assert target.serve_env == deployment / "conf" / "serve-env.yaml"
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in target.env()
+    target.serve_env.write_text("# opt out of breakable graphs\nVLLM_USE_BREAKABLE_CUDAGRAPH: '0'\n"
+                                "VLLM_LOGGING_LEVEL: DEBUG\nNCCL_MIN_NCHANNELS: 4\n")
+    target.prepare()
+    env = target.env()
+    assert (env["VLLM_USE_BREAKABLE_CUDAGRAPH"], env["VLLM_LOGGING_LEVEL"], env["NCCL_MIN_NCHANNELS"]) == \
+        ("0", "DEBUG", "4")  # the state's file wins over the target's env
+    assert env["VLLM_USE_V1"] == "0"
+    target.serve_env.unlink()
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in target.env() and target.env()["VLLM_LOGGING_LEVEL"] == "INFO"
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("VLLM_USE_BREAKABLE_CUDAGRAPH: false\n", "VLLM_USE_BREAKABLE_CUDAGRAPH", 'not False (vLLM reads "1" and "0"'),
+    ("VLLM_X: [1, 2]\n", "VLLM_X", "a string or an integer, not [1, 2]"),
+    ("PYTHONPATH: /elsewhere\n", "PYTHONPATH", "set by the orchestrator"),
+    ("ORCHESTRATOR_ROOT_VLLM: /x\n", "ORCHESTRATOR_ROOT_VLLM", "set by the orchestrator"),
+    ("'BAD NAME': '1'\n", "BAD NAME", "not an environment variable name"),
+    ("- VLLM_X\n", None, "must be a mapping"),
+    ("VLLM_X: [\n", None, "cannot read the serve environment"),
+])
+def test_a_bad_serve_environment_names_the_file_and_key_and_changes_nothing(deployment, text, field, words):
+    """At load (before anything is written), through the CLI: exit 2 naming the file and the key, every byte of
+    the deployment as it was."""
+    env_file = deployment / "conf" / "serve-env.yaml"
+    env_file.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        make(deployment, package="site/vllm", serve_config="conf/serve.yaml").prepare()
+    assert (err.value.path, err.value.field) == (env_file, field) and words in err.value.message
+    (deployment / "orchestrator.yaml").write_text(
+        "target: {kind: vllm, package: site/vllm, serve_config: conf/serve.yaml}\nplugins: plugins\nstate: state\n")
+    (deployment / "plugins").mkdir()
+    before = {p: p.read_bytes() for p in deployment.rglob("*") if p.is_file()}
+    run = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", "orchestrator.yaml"],
+                         cwd=deployment, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert str(env_file) in run.stdout + run.stderr and words.split(" (")[0] in " ".join((run.stdout + run.stderr).split())
+    assert {p: p.read_bytes() for p in deployment.rglob("*") if p.is_file()} == before
+    assert not (deployment / "state").exists()
+
+
 def test_unknown_config_keys_are_rejected():
     with pytest.raises(Exception, match="serve_confg"):
         VllmTarget.Config(kind="vllm", serve_confg="x.yaml")

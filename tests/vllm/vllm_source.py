@@ -24,9 +24,10 @@ SERVE_OPTIONS = {"max-num-seqs-search", "max-batched-tokens-search", "prefix-cac
 ON_PINNED = {"max-num-seqs-256", "max-batched-tokens-32k", "gpu-memory-095", "decode-v2-layout", "decode-v2-triton",
              "prefill-triton", "prefill-triton-tuning"} | SERVE_OPTIONS
 # what 0.10.2 lacks: compilation_config.max_prefill_cudagraph_capture_tokens, --stream-interval, pass_config.enable_qk_norm_rope_fusion,
-# --kernel-config, fp8_per_tensor among the values of --quantization, bfloat16 among those of --mamba-ssm-cache-dtype
+# --kernel-config, fp8_per_tensor among the values of --quantization, bfloat16 among those of --mamba-ssm-cache-dtype,
+# the environment variable VLLM_USE_BREAKABLE_CUDAGRAPH
 NEWER_ONLY = {"prefill-cudagraph-tokens", "stream-interval", "fusion-qk-norm-rope", "moe-backend", "quantization-fp8",
-              "ssm-state-bf16"}
+              "ssm-state-bf16", "torch-compile"}
 FORK_ONLY = {"fork-head-mapping-tensor", "fork-enable-triton", "fork-xformers-flash-prefill", "decode-v2-long",
              "decode-threshold-64k"}
 ENGINE_ONLY = {"prefill-pregather", "prefill-triton-autotune", "moe-sorted", "moe-triton", "fused-norm-rope", "cuda-graphs", "gdn-prefill-triton",
