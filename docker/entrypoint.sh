@@ -89,4 +89,5 @@ if [[ ${ORCHESTRATOR_SKIP_RUN:-0} != 1 ]]; then
     esac
 fi
 trap - TERM INT
-exec vllm serve --config "$serve" "$@"
+# with the serve environment the kept plugins wrote beside the serve config (serve-env.yaml), as staging served it
+exec python3 -m orchestrator.targets.serve_env exec "$state/serve/serve-env.yaml" -- vllm serve --config "$serve" "$@"

@@ -26,7 +26,8 @@ WORKLOAD = ["--num-prompts", "200", "--input-len", "1000", "--output-len", "2000
 
 
 def sample(project, config: Path, work: Path, name: str, pair: int) -> dict:
-    """One fresh server of `config` (the staged run's command line with another serve config), measured once."""
+    """One fresh server of `config` (the staged run's command line with another serve config, and the serve
+    environment beside it: the kept stack's, none for the defaults), measured once."""
     argv = project.target.serve_argv()
     argv[argv.index("--config") + 1] = str(config)
     model = project.target.config.served_model_name
@@ -34,7 +35,7 @@ def sample(project, config: Path, work: Path, name: str, pair: int) -> dict:
     proc = subprocess.run([sys.executable, "-m", "orchestrator.probes.serving", "--server-cmd", shlex.join(argv),
                            *(["--model", model] if model else []), "--health-timeout", "900", "--stop-timeout", "60",
                            "--server-log-dir", str(work / "compare-logs"), *WORKLOAD, "--seed", str(pair)],
-                          env={**os.environ, **project.target.env()}, capture_output=True, text=True)
+                          env={**os.environ, **project.target.env(config)}, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     result = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:] or f"exit {proc.returncode}"}
     out.write_text(json.dumps(result))

@@ -38,13 +38,15 @@ CONFIG=$PROJ/benchmarks/vllm_h200/orchestrator.yaml
 # gpu-memory-095 (the KV cache already holds several times the 128 x 1,200 tokens in flight), prefix-caching (the
 # workload shares no prefix, and vLLM caches none for a hybrid model's state), and every plugin that patches
 # source (0.34.0 lacks their anchors: not_applicable). A part that calibrates (no STATE=) fits three: part 2 holds
-# the changes most likely to move this model; the likely no-ops wait for part 3 (0.34.0 schedules asynchronously by
-# default, and its log shows compilation mode NONE for this model, under which the qk-norm-rope pass does not run).
+# the changes most likely to move this model (the engine core runs uncaptured steps op by op from Python: wider
+# prefill graphs, or torch.compile); the likely no-ops wait (its log shows compilation mode NONE for this model,
+# under which the qk-norm-rope pass does not run unless torch-compile is kept; 0.34.0 schedules asynchronously by
+# default).
 declare -A PARTS=(
     [1]="max-num-seqs-256,max-batched-tokens-32k,moe-backend"
-    [2]="prefill-cudagraph-tokens,moe-backend,ssm-state-bf16,async-scheduling"
+    [2]="prefill-cudagraph-tokens,torch-compile,moe-backend,ssm-state-bf16"
     [3]="fusion-qk-norm-rope,api-server-count,stream-interval"
-    [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search"
+    [4]="quantization-fp8,kv-cache-fp8,max-batched-tokens-search,async-scheduling"
 )
 
 # The payload (../shared/vllm-h200/build_payload.sh) in parts small enough that one travels per call beside the
@@ -90,6 +92,8 @@ pack() {
     local serve=kept-serve.yaml
     alive "$WORK/run.pid" && serve=serve-now.yaml
     cp "$WORK/serve/serve.yaml" "$pack/$serve" 2>/dev/null || true
+    # and the serve environment beside it (serve-env.yaml, where a kept plugin wrote one), named after it
+    cp "$WORK/serve/serve-env.yaml" "$pack/${serve%.yaml}-env.yaml" 2>/dev/null || true
     # the history, every sample's metrics in it (through SQLite's backup: a copy of the file alone would lack
     # what its WAL holds), and the file images its steps recorded: STATE= gives it to the next part
     if [[ -f $WORK/state/orchestrator.db ]]; then
@@ -126,6 +130,14 @@ print('python', __import__('sys').version.split()[0], 'torch', torch.__version__
     stop_payload_server
 }
 
+# from_serve FILE: the serve config FILE (a part's kept-serve.yaml or serve-now.yaml) into $WORK/serve, with the
+# serve environment `pack` brought back beside it (FILE less .yaml, -env.yaml), or none where it brought none
+from_serve() {
+    local env=${1%.yaml}-env.yaml
+    cp "$1" "$WORK/serve/serve.yaml"
+    if [[ -f $env ]]; then cp "$env" "$WORK/serve/serve-env.yaml"; else rm -f "$WORK/serve/serve-env.yaml"; fi
+}
+
 # kept_job NAME WHAT: NAME.py (compare.py, cotenant.py) on the kept serve config (FROM=, else the last part's),
 # detached from a fresh copy of the project, its log in $WORK/NAME.log
 kept_job() {
@@ -133,7 +145,7 @@ kept_job() {
     alive "$WORK/run.pid" && die "the staged run is still going"
     alive "$WORK/$name.pid" && die "$what is going (pid $(cat "$WORK/$name.pid"))"
     setup
-    [[ -n ${FROM:-} ]] && cp "$FROM" "$WORK/serve/serve.yaml"
+    [[ -n ${FROM:-} ]] && from_serve "$FROM"
     [[ -f $WORK/serve/serve.yaml ]] || die "no kept serve config: stage a part first, or give FROM=kept-serve.yaml"
     (cd "$PROJ" && detach "$WORK/$name.pid" "$WORK/$name.log" \
         python3 "$PROJ/benchmarks/vllm_h200/$name.py" "$CONFIG" "$WORK")
@@ -188,7 +200,7 @@ case ${1:-} in
             cp -r "$STATE" "$WORK/state"
         fi
         if [[ -n ${FROM:-} ]]; then
-            cp "$FROM" "$WORK/serve/serve.yaml"
+            from_serve "$FROM"
             # a later part starts from a kept stack, not from the seed's one-sequence baseline: it calibrates that
             sed -i 's/at: first_keep/at: start/' "$CONFIG"
         elif [[ ! -f $WORK/serve/serve.yaml ]]; then

@@ -4,10 +4,16 @@ vLLM reads some settings only from its environment (``VLLM_USE_BREAKABLE_CUDAGRA
 file cannot hold. A state sets them in ``serve-env.yaml``, a mapping of names to strings (or integers) in the
 serve config's folder: plugins edit it as they edit the serve config, it is snapshotted and rolled back with it,
 and every server of the state is started with it (over the target's own ``env``). Absent, it sets nothing.
+
+A server started outside the orchestrator (the container's, once staging is done) gets it the same way:
+
+    python -m orchestrator.targets.serve_env exec serve/serve-env.yaml -- vllm serve --config serve/serve.yaml
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
 from ruamel.yaml import YAML, YAMLError
@@ -47,3 +53,21 @@ def read_serve_env(path: Path) -> dict[str, str]:
             raise ConfigError(path, name, f"the value must be a string or an integer, not {value!r}{hint}")
         env[name] = str(value)
     return env
+
+
+def main(argv: list[str]) -> int:
+    """``exec FILE -- COMMAND...``: COMMAND in this process, its environment this one's with FILE's over it."""
+    if len(argv) < 4 or argv[0] != "exec" or argv[2] != "--":
+        print("usage: python -m orchestrator.targets.serve_env exec SERVE_ENV.yaml -- COMMAND [ARGS...]",
+              file=sys.stderr)
+        return 2
+    try:
+        env = read_serve_env(Path(argv[1]))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    os.execvpe(argv[3], argv[3:], {**os.environ, **env})
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -134,10 +134,11 @@ class VllmTarget(Target):
                               "add one or set target.model")
         read_serve_env(self.serve_env)
 
-    def env(self) -> dict[str, str]:
-        """The target's ``env``, then the state's serve environment as it is on disk now: read at every server
-        start, as vLLM reads the serve config."""
-        extra = {**self.config.env, **read_serve_env(self.serve_env)}
+    def env(self, serve_config: Path | None = None) -> dict[str, str]:
+        """The target's ``env``, then the serve environment beside ``serve_config`` (default: the state's) as it is
+        on disk now: read at every server start, as vLLM reads the serve config."""
+        serve_env = Path(serve_config).parent / SERVE_ENV if serve_config else self.serve_env
+        extra = {**self.config.env, **read_serve_env(serve_env)}
         if self.config.model:
             extra["ORCHESTRATOR_VLLM_MODEL"] = self.config.model
         if self.config.package:

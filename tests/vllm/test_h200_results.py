@@ -228,6 +228,8 @@ def test_a_poll_mid_run_names_the_serve_config_as_it_is_not_as_kept(tmp_path):
     config as the kept stack to `cotenant`)."""
     db = a_run(tmp_path)
     (tmp_path / "work" / "serve" / "serve.yaml").write_text("max-num-seqs: 256\nkernel-config: {moe_backend: x}\n")
+    # the serve environment beside it comes back under the same name (FROM= restores the one beside the file given)
+    (tmp_path / "work" / "serve" / "serve-env.yaml").write_text("VLLM_USE_BREAKABLE_CUDAGRAPH: '0'\n")
     run = subprocess.Popen(["sleep", "60"])
     try:
         (tmp_path / "work" / "run.pid").write_text(f"{run.pid}\n")
@@ -242,12 +244,14 @@ def test_a_poll_mid_run_names_the_serve_config_as_it_is_not_as_kept(tmp_path):
     assert script("unpack", "cut", str(out), tmp=tmp_path).returncode == 0
     dest = tmp_path / "results" / "cut"
     assert (dest / "serve-now.yaml").read_text() == "max-num-seqs: 256\nkernel-config: {moe_backend: x}\n"
-    assert not (dest / "kept-serve.yaml").exists()
+    assert (dest / "serve-now-env.yaml").read_text() == "VLLM_USE_BREAKABLE_CUDAGRAPH: '0'\n"
+    assert not (dest / "kept-serve.yaml").exists() and not (dest / "kept-serve-env.yaml").exists()
     # the run gone, the same poll names it kept
     again = tmp_path / "out2"
     assert script("status", tmp=tmp_path, OUT=str(again), HOME=str(tmp_path / "home")).returncode == 0
     assert script("unpack", "done", str(again), tmp=tmp_path).returncode == 0
     assert (tmp_path / "results" / "done" / "kept-serve.yaml").is_file()
+    assert (tmp_path / "results" / "done" / "kept-serve-env.yaml").is_file()
     assert not (tmp_path / "results" / "done" / "serve-now.yaml").exists()
 
 

@@ -149,6 +149,20 @@ def test_skip_run_serves_the_kept_configuration(box):
     assert [c.split(" --config")[0] for c in calls(log)] == ["vllm serve"]
 
 
+def test_the_kept_serve_environment_reaches_the_served_vllm(box):
+    """What kept plugins wrote into serve-env.yaml beside the serve config is in the served vLLM's environment, over
+    the container's; a bad file serves nothing and says which file and key."""
+    env, state, log = box
+    assert start(env, MODEL="m", ORCHESTRATOR_SKIP_RUN="1").returncode == 0
+    (state / "serve" / "serve-env.yaml").write_text("VLLM_USE_V1: '1'\n")
+    assert start(env, MODEL="m", ORCHESTRATOR_SKIP_RUN="1").returncode == 0
+    assert calls(log)[-1] == f"vllm serve --config {state}/serve/serve.yaml VLLM_USE_V1=1"
+    (state / "serve" / "serve-env.yaml").write_text("VLLM_USE_V1: true\n")
+    bad = start(env, MODEL="m", ORCHESTRATOR_SKIP_RUN="1")
+    assert bad.returncode == 2 and len(calls(log)) == 2
+    assert f"{state}/serve/serve-env.yaml: VLLM_USE_V1: the value must be a string or an integer" in bad.stderr
+
+
 def test_docker_stop_during_the_run_reaches_the_orchestrator(box):
     env, state, log = box
     proc = subprocess.Popen(["bash", str(ENTRYPOINT)], env={**env, "MODEL": "m", "FAKE_SLEEP": "30"},
