@@ -11,7 +11,7 @@ Sleep mode is read too: ``--enable-sleep-mode`` and the routes that put a server
 (``POST /sleep``, ``POST /wake_up``), which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``. So are the
 environment variables it reads (the keys of ``environment_variables`` in ``envs.py``): some settings exist only
 there (``VLLM_USE_BREAKABLE_CUDAGRAPH``), and a state sets them in the serve environment file beside its serve
-config (``orchestrator.targets.vllm.SERVE_ENV``).
+config (``orchestrator.targets.serve_env``).
 
 Plugins use the command line as a precondition and as a check:
 
@@ -364,22 +364,22 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="print the options as JSON")
     args = p.parse_args(argv)
     env = args.command in ("has-env", "check-env")
-    if args.command == "check-env":
-        try:
-            names = list(read_serve_env(args.file))
-        except ConfigError as exc:
-            print(exc, file=sys.stderr)
-            return 1
+    try:
+        keys = read_serve_env(args.file) if args.command == "check-env" else None
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     try:
         options = read(args.package or default_package())
         if args.command == "list":
             print(json.dumps(options.to_json()))
             return 0
-        keys = {"has": lambda: args.keys, "check": lambda: config_keys(args.config), "has-env": lambda: args.names,
-                "check-env": lambda: names}[args.command]()
+        if args.command == "check":
+            keys = config_keys(args.config)
     except Exception as exc:  # noqa: BLE001 - any failure to read is a clear "no" for a precondition
         print(f"cannot read vLLM's serve options: {exc}", file=sys.stderr)
         return 1
+    keys = list(keys if keys is not None else args.names if env else args.keys)
     problems = [why for key in keys if (why := (options.missing_env(key) if env else options.missing(key)))]
     for why in problems:
         print(why, file=sys.stderr)
