@@ -19,10 +19,14 @@ from typing import Any
 
 from orchestrator.errors import UserError
 
-# What changes measured speed; python and platform are informative only.
-STALE_KEYS = ("host", "gpu", "gpu_count", "gpu_driver", "cuda", "torch", "triton", "vllm", "cpu_governor")
+# What changes measured speed; python and platform are informative only. The CPU counts too: a serving engine that
+# schedules from Python is bound by it (two H100 machines of one kind, their hosts both "vm", served one state at
+# 144,000 and at 72,000).
+STALE_KEYS = ("host", "gpu", "gpu_count", "gpu_driver", "cuda", "torch", "triton", "vllm", "cpu_governor", "cpu",
+              "cpus")
 
 GOVERNOR = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
+CPUINFO = Path("/proc/cpuinfo")
 NVIDIA_SMI_TIMEOUT = 10
 
 
@@ -90,6 +94,24 @@ def _governor() -> str | None:
         return None
 
 
+def _cpu() -> str | None:
+    """The CPU's model name (the first processor's; None where the kernel does not say)."""
+    try:
+        text = CPUINFO.read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return " ".join(found.group(1).split()) if found else None
+
+
+def _cpus() -> int | None:
+    """The cores this process may run on (a container's or a VM's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
 @lru_cache(maxsize=1)
 def _cached() -> tuple[tuple[str, Any], ...]:
     info = {
@@ -99,6 +121,8 @@ def _cached() -> tuple[tuple[str, Any], ...]:
         "triton": _version("triton"),
         "vllm": _version("vllm"),
         "cpu_governor": _governor(),
+        "cpu": _cpu(),
+        "cpus": _cpus(),
         "python": platform.python_version(),
         "platform": platform.platform(),
     }

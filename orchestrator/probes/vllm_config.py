@@ -48,7 +48,10 @@ VOLATILE = re.compile(r"(^|\.)(instance_id|engine_id|_api_process_rank|cache_dir
                       r"|[a-z_]*port(_list)?|[a-z_]*compilation_time|num_gpu_blocks|num_cpu_blocks"
                       r"|kv_cache_size_tokens|kv_cache_max_concurrency)$")
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object shown by its repr (vLLM dumps what JSON cannot hold as str)
-ENV_VOLATILE = re.compile(r"PORT|HOST|_IP$|RPC_BASE_PATH")
+# settings that differ between two starts of one config: addresses, and names vLLM draws per process tree where
+# none is set (0.34.0's VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME, a uuid: read as a difference, every candidate looked
+# changed to the configuration probes)
+ENV_VOLATILE = re.compile(r"PORT|HOST|_IP$|RPC_BASE_PATH|SHM_BUFFER_NAME$")
 
 
 class ProbeFailure(Exception):

@@ -38,6 +38,7 @@ def test_gpu_driver_and_cuda_from_nvidia_smi(tmp_path, monkeypatch, fresh):
     info = fp.fingerprint(refresh=True)
     assert (info["gpu"], info["gpu_count"], info["gpu_driver"], info["cuda"]) == ("NVIDIA H200", 2, "580.159.04", "13.0")
     assert info["cpu_governor"] == "performance"
+    assert info["cpus"] >= 1
     assert info["torch"] is not None and info["torch"].startswith("2.")
     assert info["host"]
 
@@ -48,6 +49,18 @@ def test_without_a_gpu_or_governor(tmp_path, monkeypatch, fresh):
     info = fp.fingerprint(refresh=True)
     assert (info["gpu"], info["gpu_count"], info["gpu_driver"], info["cuda"], info["cpu_governor"]) == (None, 0, None, None, None)
     assert "vllm" in info  # recorded even when absent, so installing it later shows up as a change
+
+
+def test_the_cpu_model_from_cpuinfo(tmp_path, monkeypatch, fresh):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC  9654 96-Core Processor\n\n"
+                       "processor\t: 1\nmodel name\t: AMD EPYC  9654 96-Core Processor\n")
+    monkeypatch.setattr(fp, "CPUINFO", cpuinfo)
+    assert fp.fingerprint(refresh=True)["cpu"] == "AMD EPYC 9654 96-Core Processor"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # arm64 names no model
+    assert fp.fingerprint(refresh=True)["cpu"] is None
+    monkeypatch.setattr(fp, "CPUINFO", tmp_path / "absent")
+    assert fp.fingerprint(refresh=True)["cpu"] is None
 
 
 def test_a_hanging_nvidia_smi_is_cut_off(tmp_path, monkeypatch, fresh):
@@ -65,7 +78,8 @@ def test_fingerprint_is_cached_until_refreshed(tmp_path, monkeypatch, fresh):
 
 
 BASE = {"host": "a", "gpu": "NVIDIA H200", "gpu_count": 1, "gpu_driver": "570", "cuda": "12.8", "torch": "2.5.1",
-        "triton": "3.1", "vllm": "0.8.0", "cpu_governor": None, "python": "3.11.7"}
+        "triton": "3.1", "vllm": "0.8.0", "cpu_governor": None, "cpu": "AMD EPYC 9654 96-Core Processor", "cpus": 16,
+        "python": "3.11.7"}
 
 
 def test_identical_fingerprints_are_fresh():
@@ -76,7 +90,8 @@ def test_identical_fingerprints_are_fresh():
 
 @pytest.mark.parametrize("key, value", [("gpu", "NVIDIA A100"), ("gpu_driver", "575"), ("vllm", "0.9.0"),
                                         ("torch", "2.6.0"), ("host", "b"), ("cpu_governor", "powersave"),
-                                        ("gpu_count", 2)])
+                                        ("gpu_count", 2), ("cpu", "Intel(R) Xeon(R) Platinum 8480+"),
+                                        ("cpus", 8)])
 def test_a_change_that_moves_speed_is_stale(key, value):
     now = {**BASE, key: value}
     assert fp.is_stale(BASE, now)
@@ -86,8 +101,8 @@ def test_a_change_that_moves_speed_is_stale(key, value):
 
 def test_python_and_unknown_keys_do_not_make_stale():
     assert not fp.is_stale(BASE, {**BASE, "python": "3.12.0", "platform": "x"})
-    older = {k: v for k, v in BASE.items() if k != "cpu_governor"}
-    assert not fp.is_stale(older, {**BASE, "cpu_governor": "performance"})
+    older = {k: v for k, v in BASE.items() if k not in ("cpu_governor", "cpu", "cpus")}
+    assert not fp.is_stale(older, {**BASE, "cpu_governor": "performance", "cpus": 4})
 
 
 def test_no_recorded_fingerprint_is_stale():

@@ -1,7 +1,7 @@
 """The vllm target's configuration probe (orchestrator.probes.vllm_config): what a live server resolved its options
 to, read from the stand-in `vllm` (standin/vllm serves GET /server_info in development mode, with an instance id,
-ports, a cache folder, a compile time, the KV cache's blocks, an object address and a set's order that change at
-every start), the engine arguments from the real 0.10.2
+ports, a cache folder, a compile time, the KV cache's blocks, an object address, a set's order and a shared-memory
+buffer's name that change at every start), the engine arguments from the real 0.10.2
 source; and a staged run in which a plugin that sets a default is rolled back unmeasured."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_two_starts_of_one_config_read_the_same_and_a_default_set_reads_as_unset
     assert engine["model_config.hf_config"] == "<HFConfig object at 0x…>"
     assert engine["compilation_config.traced_files"] == '["a.py", "b.py", "c.py"]'
     assert not any(k.endswith(("compilation_time", "num_gpu_blocks")) for k in engine)
-    assert first["configuration"]["env"] == {"VLLM_SERVER_DEV_MODE": True}  # VLLM_PORT left out
+    assert first["configuration"]["env"] == {"VLLM_SERVER_DEV_MODE": True}  # VLLM_PORT, the shm buffer's name left out
     # the stand-in's own option is no engine argument of vLLM 0.10.2: it counts as the frontend's
     assert first["configuration"]["frontend"] == {"standin-speed": 0.5}
 
