@@ -20,8 +20,8 @@ from typing import Any
 from orchestrator.errors import UserError
 
 # What changes measured speed; python and platform are informative only. The CPU counts too: a serving engine that
-# schedules from Python is bound by it (two H100 machines of one kind, their hosts both "vm", served one state at
-# 144,000 and at 72,000).
+# schedules from Python is bound by it (one state measured 144,000 on one lent H100 and 72,000 on another, both
+# hosts called "vm": nothing recorded told the machines apart).
 STALE_KEYS = ("host", "gpu", "gpu_count", "gpu_driver", "cuda", "torch", "triton", "vllm", "cpu_governor", "cpu",
               "cpus")
 
