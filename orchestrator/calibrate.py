@@ -36,8 +36,8 @@ import numpy as np
 from orchestrator import decide
 from orchestrator.context import RunContext
 from orchestrator.kept import KeptState
-from orchestrator.noise import (Noise, ceiling, components, first_window, first_window_biased, offset, pairs_needed,
-                                pairs_per_start, score_terms, starts_needed, term_metrics, wake_spread,
+from orchestrator.noise import (Noise, ceiling, components, first_window, first_window_biased, level_shift, offset,
+                                pairs_needed, pairs_per_start, score_terms, starts_needed, term_metrics, wake_spread,
                                 wakes_like_fresh)
 from orchestrator.pairing import Together, choose
 from orchestrator.policy import Policy
@@ -134,7 +134,8 @@ def calibrate(run: RunContext, prober: Prober, kept: KeptState, starts: int, pai
     summary.update(
         pairs_per_start=per_block, pairs_needed=pairs_needed(noise, bar), starts_needed=starts_needed(noise, per_block, bar),
         simulated=simulated, fresh_offset=fresh, blocks=[{k: b[k] for k in ("base", "cand", "starts")} for b in blocks],
-        raw=noise.raw, carried=noise.carried, ceiling=ceiling(noise), terms=score_terms(metrics), first_window=first)
+        raw=noise.raw, carried=noise.carried, ceiling=ceiling(noise), terms=score_terms(metrics), first_window=first,
+        holding=list(kept.arm.holding))
     if mode == "sleeping":
         summary["wake"] = {"spread": noise.wake, "p": noise.wake_p, "still": noise.still,
                            "like_fresh": wakes_like_fresh(noise), "same": wake[3] if wake else 0,
@@ -252,6 +253,42 @@ def latest(store, objective: str | None, pairing: str) -> Noise | None:
                      row["id"], wake.get("spread"), wake.get("p"), wake.get("still"), raw=summary.get("raw"),
                      carried=summary.get("carried"))
     return None
+
+
+def moved(store, noise: Noise, holding: Sequence[str], values: Sequence[float]) -> str | None:
+    """Why the calibration behind `noise` does not hold here, in a line, where `values` (the run's baseline: samples of
+    one fresh server of the state on disk, which holds `holding`) measure the state it calibrated further from its
+    samples than its noise allows (noise.level_shift); None where they agree, or where it calibrated another state.
+    A history carried to the next machine (benchmarks/vllm_h200, a part per lease) brings its calibration along,
+    and one machine of the same fingerprint ran the calibrated state at half the speed (BENCHMARKS.md, "Part 2
+    decided on one H100")."""
+    row = next((c for c in store.calibrations() if c["id"] == noise.calibration), None)
+    if row is None or not values or any(not (v and v > 0) for v in values):
+        return None
+    summary = loads(row["summary"]) or {}
+    calibrated = summary.get("holding")
+    if calibrated is None:  # recorded before the summary named it: its blocks do
+        blocks = store.calibration_blocks([row["run_id"]])
+        calibrated = loads(blocks[0]["block"])["holding"] if blocks else None
+    if calibrated is None or list(calibrated) != list(holding) or not summary.get("blocks"):
+        return None
+    by_server: dict[Any, list[float]] = {}
+    for block in summary["blocks"]:
+        for (kept_server, cand_server), b, c in zip(block["starts"], block["base"], block["cand"]):
+            by_server.setdefault(("kept", kept_server), []).append(b)
+            by_server.setdefault(("cand", cand_server), []).append(c)
+    shift, bound = level_shift(list(by_server.values()), values, noise)
+    if abs(shift) <= bound:
+        return None
+    level = math.exp(statistics.mean(math.log(v) for vs in by_server.values() for v in vs))
+    return (f"the state the run starts from measures {math.expm1(shift):+.1%} against calibration "
+            f"{noise.calibration} of it (run {row['run_id']}: {shown(level)} over {len(by_server)} servers, here "
+            f"{shown(statistics.median(values))}), beyond the {math.expm1(bound):.1%} its noise allows: the machine "
+            "is not the one calibrated, or not as it was, and that calibration is not used")
+
+
+def shown(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4g}"
 
 
 def run_calibration(project, plugins, store, journal, reporter=None, starts: int = 4, pairs: int = 2) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 
-from orchestrator.calibrate import calibrate, latest
+from orchestrator.calibrate import calibrate, latest, moved
 from orchestrator.config import Project
 from orchestrator.context import Reporter, RunContext, open_run
 from orchestrator.deployment import Deployment
@@ -59,13 +59,19 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                 restack.reverify()
             else:
                 chain = continued(store, ctx.run_id)
+                carry = chain  # the runs whose unfinished A/A blocks a calibration here counts
                 earlier = {} if only else decided(store, chain)
                 chosen = [p for p in plugins if not ((only and p.id not in only) or (skip and p.id in skip))]
                 stager.settle(plugins, {p.id for p in chosen if p.id not in earlier})
                 stager.baseline()
+                if noise is not None and (why := moved(store, noise, kept.arm.holding,
+                                                       [s.value for s in kept.samples or []])):
+                    store.event(ctx.run_id, "warning", why)
+                    stager.noise = noise = None  # calibrated anew as though none were recorded, its blocks included
+                    carry = []
                 calibration = project.policy.calibrate if noise is None and prober.throughput else None
                 if calibration and (calibration.at == "start" or screening is not None):
-                    stager.noise = calibrated(ctx, prober, kept)
+                    stager.noise = calibrated(ctx, prober, kept, carry)
                 if screening is not None:
                     screening.stage(chosen, earlier)
                 else:
@@ -74,7 +80,7 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
                             stager.decided_earlier(plugin, earlier[plugin.id])
                             continue
                         if stager.noise is None and calibration and deployment.kept_by([*chain, ctx.run_id]):
-                            stager.noise = calibrated(ctx, prober, kept)  # of the first kept state
+                            stager.noise = calibrated(ctx, prober, kept, carry)  # of the first kept state
                         stager.stage(plugin)
                 kept_steps = deployment.kept_by([*chain, ctx.run_id])
                 if prober.throughput and kept_steps:
@@ -100,18 +106,17 @@ def run(project: Project, plugins: list[Plugin], store: Store, journal: Journal,
     return ctx.run_id
 
 
-def calibrated(ctx: RunContext, prober: Prober, kept: KeptState) -> Noise:
-    """An A/A calibration of the kept state in the run's pairing, continuing one the runs this one continues left
-    unfinished; where it finds that woken servers do not measure like fresh ones, the run restarts servers instead,
-    judged by a calibration of that (taken now if none is)."""
+def calibrated(ctx: RunContext, prober: Prober, kept: KeptState, carry: list[int]) -> Noise:
+    """An A/A calibration of the kept state in the run's pairing, continuing one the runs in `carry` (those this one
+    continues) left unfinished; where it finds that woken servers do not measure like fresh ones, the run restarts
+    servers instead, judged by a calibration of that (taken now if none is)."""
     policy = ctx.project.policy
-    chain = continued(ctx.store, ctx.run_id)  # the blocks they measured count
-    noise = calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs, chain)
+    noise = calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs, carry)
     restart = sleep_or_restart(ctx, prober.objective, noise)
     if restart is noise:
         return noise
     kept.release()  # the sleeping pairing's server: the kept state's is started anew where it is needed
-    return restart or calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs, chain)
+    return restart or calibrate(ctx, prober, kept, policy.calibrate.starts, policy.calibrate.pairs, carry)
 
 
 def sleep_or_restart(ctx: RunContext, objective: str | None, noise: Noise | None) -> Noise | None:

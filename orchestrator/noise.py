@@ -141,6 +141,25 @@ def ceiling(noise: Noise, confidence: float = CEILING_CONFIDENCE) -> float:
     return max(noise.between, math.sqrt(max(0.0, bound)))
 
 
+LEVEL_Z = 3.0  # `level_shift`: a state's level further than this many sds from its calibration's is another machine's
+
+
+def level_shift(recorded: Sequence[Sequence[float]], now: Sequence[float], noise: Noise) -> tuple[float, float]:
+    """(shift, bound): the mean log objective of `now` (samples of one fresh server) less the calibration's level
+    (`recorded`: its samples of the same state, by server, each server's mean weighing alike), and LEVEL_Z sds of that
+    difference were the machine the one calibrated: each server carries a start effect (sd at most `ceiling`), each
+    sample its own noise (`within`). A shift past the bound says the calibration measured another machine, or this
+    one in another condition, and its noise need not hold here."""
+    servers = [np.log(np.asarray(s, dtype=float)) for s in recorded if len(s)]
+    if not servers or not len(now):
+        raise ValueError("a level needs samples on both sides")
+    k = len(servers)
+    level = float(np.mean([s.mean() for s in servers]))
+    per_sample = 1 / len(now) + float(np.mean([1 / len(s) for s in servers])) / k
+    var = ceiling(noise) ** 2 * (1 + 1 / k) + noise.within ** 2 * per_sample
+    return float(np.mean(np.log(np.asarray(now, dtype=float)))) - level, LEVEL_Z * math.sqrt(var)
+
+
 def offset(blocks: Sequence[Sequence[float]], between: float, between_df: int, kept_restarted: bool,
            confidence: float) -> tuple[float, float, float]:
     """(mean, low, high) of log(candidate / kept) over A/A blocks, with its t interval: what a fresh candidate

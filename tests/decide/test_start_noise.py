@@ -47,9 +47,11 @@ def project(tmp: Path, plugins: dict[str, str | None], policy: dict) -> Path:
     return tmp
 
 
-def cli(root: Path, *args: str, spread: float = SPREAD, aging: float = 0.0) -> subprocess.CompletedProcess:
+def cli(root: Path, *args: str, spread: float = SPREAD, aging: float = 0.0, machine: float = 1.0
+        ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "STANDIN_STARTS": str(root / "starts.txt"),
-           "STANDIN_SPREAD": str(spread), "STANDIN_WITHIN": str(WITHIN), "STANDIN_AGING": str(aging)}
+           "STANDIN_SPREAD": str(spread), "STANDIN_WITHIN": str(WITHIN), "STANDIN_AGING": str(aging),
+           "STANDIN_MACHINE": str(machine)}
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--config", "orchestrator.yaml"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -160,6 +162,32 @@ def test_a_later_part_on_the_same_history_judges_by_its_calibration_without_meas
     [d] = [json.loads(d["decision"]) for s in steps if s["plugin"] == "no-op-1"
            for d in rows(root, f"SELECT decision FROM decisions WHERE step_id = {s['id']}")]
     assert d["between"] > 0 and d["between_df"] >= c["between_df"], (d, c)
+
+
+def test_a_history_carried_to_a_machine_that_runs_the_state_at_half_speed_is_calibrated_again(tmp_path):
+    """The same history on another machine of the same fingerprint (benchmarks/vllm_h200: a part per lease), which
+    runs the calibrated state at half the speed: the run says so and calibrates anew, counting none of the earlier
+    blocks; the next run there finds its own calibration, which agrees, and measures no A/A server."""
+    plugins = {"no-op-0": None, "no-op-1": None, "no-op-2": None}
+    policy = {"min_gain": 0.02, "min_pairs": 2, "max_pairs": 4, "calibrate": {"starts": 3, "pairs": 2, "at": "start"}}
+    root = project(tmp_path, plugins, policy)
+    spread = 0.02  # starts within ±2%: the check is conservative (3 sds at the start effects' 90% bound)
+    cli(root, "run", "--only", "no-op-0", spread=spread)
+    [first] = rows(root, "SELECT * FROM calibrations")
+    assert json.loads(first["summary"])["holding"] == []
+    cli(root, "run", "--only", "no-op-1", spread=spread, machine=0.5)
+    calibrations = rows(root, "SELECT * FROM calibrations ORDER BY id")
+    assert [c["run_id"] for c in calibrations] == [1, 2]
+    [warning] = [e["message"] for e in rows(root, "SELECT * FROM events WHERE run_id = 2 AND kind = 'warning'")]
+    assert f"against calibration {first['id']} of it (run 1" in warning and "that calibration is not used" in warning
+    shift = float(warning.split(" measures ")[1].split("%")[0])
+    assert -55 < shift < -45, warning
+    aa = [s for s in rows(root, "SELECT * FROM steps WHERE kind = 'calibration' ORDER BY id") if s["run_id"] == 2]
+    assert len(aa) == 3  # measured here, none carried
+    cli(root, "run", "--only", "no-op-2", spread=spread, machine=0.5)
+    assert len(rows(root, "SELECT * FROM calibrations")) == 2
+    assert not rows(root, "SELECT * FROM steps WHERE kind = 'calibration' AND run_id = 3")
+    assert not rows(root, "SELECT * FROM events WHERE run_id = 3 AND kind = 'warning'")
 
 
 def test_a_run_that_calibrates_first_keeps_a_real_gain_and_no_no_op(tmp_path):

@@ -1,6 +1,6 @@
 """A stand-in live server whose speed is fixed at start: the state's speed (`speed.txt` in the folder it serves,
-read once) times a factor drawn for this start (uniform in 1 ± SPREAD), times a little noise per sample, slower by
-AGING for each sample it served before, up to AGED samples. Start k of a run (counted in $STANDIN_STARTS, a file) draws its factor
+read once) times the machine's (MACHINE) times a factor drawn for this start (uniform in 1 ± SPREAD), times a little
+noise per sample, slower by AGING for each sample it served before, up to AGED samples. Start k of a run (counted in $STANDIN_STARTS, a file) draws its factor
 from seed k, so runs repeat exactly.
 
     python server.py --port P     # GET /health, GET /sample -> {"ops": ...}
@@ -16,6 +16,7 @@ from pathlib import Path
 SPREAD = float(os.environ.get("STANDIN_SPREAD", "0.10"))  # per-start factor: uniform in 1 +- SPREAD
 WITHIN = float(os.environ.get("STANDIN_WITHIN", "0.01"))  # per-sample noise: sd of a normal factor
 AGING = float(os.environ.get("STANDIN_AGING", "0"))  # each sample served slows the next ones by this fraction,
+MACHINE = float(os.environ.get("STANDIN_MACHINE", "1"))  # the machine's speed: another machine of the same kind
 AGED = 4  # up to this many: a long-lived server settles slower than a fresh one
 
 
@@ -33,7 +34,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args()
-    speed = float(Path("speed.txt").read_text().split()[0])
+    speed = float(Path("speed.txt").read_text().split()[0]) * MACHINE
     rng = random.Random(start_index())
     factor = 1 + rng.uniform(-SPREAD, SPREAD)
     served = [0]
