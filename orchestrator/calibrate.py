@@ -257,13 +257,32 @@ def latest(store, objective: str | None, pairing: str) -> Noise | None:
 
 def moved(store, noise: Noise, holding: Sequence[str], values: Sequence[float]) -> str | None:
     """Why the calibration behind `noise` does not hold here, in a line, where `values` (the run's baseline: samples of
-    one fresh server of the state on disk, which holds `holding`) measure the state it calibrated further from its
-    samples than its noise allows (noise.level_shift); None where they agree, or where it calibrated another state.
-    A history carried to the next machine (benchmarks/vllm_h200, a part per lease) brings its calibration along,
-    and one machine of the same fingerprint ran the calibrated state at half the speed (BENCHMARKS.md, "Part 2
-    decided on one H100")."""
-    row = next((c for c in store.calibrations() if c["id"] == noise.calibration), None)
-    if row is None or not values or any(not (v and v > 0) for v in values):
+    one fresh server of the state on disk, which holds `holding`) lie further from the state's record than that
+    noise allows (noise.level_shift); None where they agree, or where the state has no record in this environment.
+    Its record: the calibration's samples where it calibrated this state, else those of the server on which the
+    state's newest plugin was kept. A history carried to the next machine (benchmarks/vllm_h200, a part per lease)
+    brings its calibration along, and one machine of the same fingerprint ran the calibrated state at half the
+    speed (BENCHMARKS.md, "Part 2 decided on one H100")."""
+    if noise.calibration is None or not values or any(not (v and v > 0) for v in values):
+        return None
+    found = calibrated_record(store, noise.calibration, holding) or kept_record(store, holding)
+    if found is None:
+        return None
+    by_server, source = found
+    shift, bound = level_shift(list(by_server.values()), values, noise)
+    if abs(shift) <= bound:
+        return None
+    level = math.exp(statistics.mean(math.log(v) for vs in by_server.values() for v in vs))
+    return (f"the state the run starts from measures {math.expm1(shift):+.1%} against {source} ({shown(level)} over "
+            f"{len(by_server)} server(s), here {shown(statistics.median(values))}), beyond the "
+            f"{math.expm1(bound):.1%} its noise allows: the machine is not the one calibration {noise.calibration} "
+            "measured, or not as it was, and that calibration is not used")
+
+
+def calibrated_record(store, calibration: int, holding: Sequence[str]) -> tuple[dict, str] | None:
+    """The calibration's samples by server, where it calibrated the state that holds `holding`."""
+    row = next((c for c in store.calibrations() if c["id"] == calibration), None)
+    if row is None:
         return None
     summary = loads(row["summary"]) or {}
     calibrated = summary.get("holding")
@@ -277,14 +296,25 @@ def moved(store, noise: Noise, holding: Sequence[str], values: Sequence[float]) 
         for (kept_server, cand_server), b, c in zip(block["starts"], block["base"], block["cand"]):
             by_server.setdefault(("kept", kept_server), []).append(b)
             by_server.setdefault(("cand", cand_server), []).append(c)
-    shift, bound = level_shift(list(by_server.values()), values, noise)
-    if abs(shift) <= bound:
+    return by_server, f"calibration {calibration} of it in run {row['run_id']}"
+
+
+def kept_record(store, holding: Sequence[str]) -> tuple[dict, str] | None:
+    """Every sample, in this environment, of the servers on which the state's newest plugin was kept (its samples as
+    the candidate, and as the kept state's after), by server."""
+    from orchestrator.fingerprint import environment, is_stale
+
+    kept = [row for plugin, row in store.deployed().items() if plugin in holding]
+    if not holding or len(kept) != len(holding):
         return None
-    level = math.exp(statistics.mean(math.log(v) for vs in by_server.values() for v in vs))
-    return (f"the state the run starts from measures {math.expm1(shift):+.1%} against calibration "
-            f"{noise.calibration} of it (run {row['run_id']}: {shown(level)} over {len(by_server)} servers, here "
-            f"{shown(statistics.median(values))}), beyond the {math.expm1(bound):.1%} its noise allows: the machine "
-            "is not the one calibrated, or not as it was, and that calibration is not used")
+    step = kept[-1]["step_id"]
+    current = environment()
+    by_server: dict[Any, list[float]] = {}
+    for m in store.samples_on_servers_of(step):
+        recorded = loads(m["fingerprint"])
+        if m["value"] and m["value"] > 0 and recorded and not is_stale(recorded, current):
+            by_server.setdefault(m["server"], []).append(m["value"])
+    return (by_server, f"its samples where {kept[-1]['plugin']} was kept in step {step}") if by_server else None
 
 
 def shown(value: float) -> str:

@@ -381,6 +381,13 @@ class Reader:
                               [run_id])
         return self.query("SELECT * FROM measurements WHERE step_id = ? ORDER BY id", [step_id])
 
+    def samples_on_servers_of(self, step_id: int) -> list[dict]:
+        """Every throughput sample taken on the live servers that served the step's candidate, whatever step it
+        was taken for: a kept candidate's server serves the kept state after it."""
+        return self.query("SELECT * FROM measurements WHERE role = 'throughput' AND ok = 1 AND server IN "
+                          "(SELECT server FROM measurements WHERE step_id = ? AND arm = 'candidate' AND role = "
+                          "'throughput' AND server IS NOT NULL) ORDER BY id", [step_id])
+
     def fingerprint_of(self, step_id: int) -> dict | None:
         """The environment a step's decision was measured in: its last throughput sample's fingerprint."""
         rows = self.query("SELECT fingerprint FROM measurements WHERE step_id = ? AND role = 'throughput' "
