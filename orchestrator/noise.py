@@ -141,15 +141,15 @@ def ceiling(noise: Noise, confidence: float = CEILING_CONFIDENCE) -> float:
     return max(noise.between, math.sqrt(max(0.0, bound)))
 
 
-LEVEL_Z = 3.0  # `level_shift`: a state's level further than this many sds from its calibration's is another machine's
+LEVEL_Z = 3.0  # `level_shift`: a state's level further than this many sds from its record is another machine's
 
 
 def level_shift(recorded: Sequence[Sequence[float]], now: Sequence[float], noise: Noise) -> tuple[float, float]:
-    """(shift, bound): the mean log objective of `now` (samples of one fresh server) less the calibration's level
-    (`recorded`: its samples of the same state, by server, each server's mean weighing alike), and LEVEL_Z sds of that
-    difference were the machine the one calibrated: each server carries a start effect (sd at most `ceiling`), each
-    sample its own noise (`within`). A shift past the bound says the calibration measured another machine, or this
-    one in another condition, and its noise need not hold here."""
+    """(shift, bound): the mean log objective of `now` (samples of one fresh server) less the state's recorded level
+    (`recorded`: its earlier samples, by server, each server's mean weighing alike), and LEVEL_Z sds of that
+    difference were the machine the one `noise` calibrated: each server carries a start effect (sd at most
+    `ceiling`), each sample its own noise (`within`). A shift past the bound says the calibration measured another
+    machine, or this one in another condition, and its noise need not hold here."""
     servers = [np.log(np.asarray(s, dtype=float)) for s in recorded if len(s)]
     if not servers or not len(now):
         raise ValueError("a level needs samples on both sides")
