@@ -95,3 +95,15 @@ def defs(source: bytes) -> dict[str, list[str]]:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.col_offset == 0:
             out[node.name] = patchcheck.signature(node)
     return out
+
+
+def test_torch_compile_does_not_apply_where_the_newest_vllm_compiles_nothing_of_the_served_model(vllm_newest, tmp_path):
+    """Served a Qwen3.6-shaped model folder (its config.json names Qwen3_5MoeForCausalLM, as mkmodel.py writes it),
+    the newest vLLM's source shows an eager NVIDIA implementation: torch-compile is not applicable, and every other
+    plugin that needs a newer vLLM still applies."""
+    (tmp_path / "qwen36").mkdir()
+    (tmp_path / "qwen36" / "config.json").write_text('{"architectures": ["Qwen3_5MoeForCausalLM"]}')
+    (tmp_path / "serve.yaml").write_text(f"model: {tmp_path / 'qwen36'}\nmax-num-seqs: 1\n")
+    outcome = stage_in_memory(vllm_newest, tmp_path)
+    assert outcome["torch-compile"] == "not_applicable"
+    assert all(isinstance(outcome[pid], list) for pid in NEWER_ONLY - {"torch-compile"}), outcome
