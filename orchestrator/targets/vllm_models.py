@@ -59,9 +59,10 @@ def registered(package: Path, arch: str) -> tuple[str, str] | None:
 
 def module_file(package: Path, module: str, relative_to: Path | None = None) -> Path | None:
     """The file of a module: `vllm.x.y` from the package's folder, a registry's bare name from its models folder,
-    `.a.b` from the folder of `relative_to`."""
+    `.a.b` (`..a.b`, ...) from the folder of `relative_to` (its parent, ...)."""
     if module.startswith("."):
-        base, module = relative_to.parent, module[1:]
+        level = len(module) - len(module.lstrip("."))
+        base, module = relative_to.parents[level - 1], module[level:]
     elif module.startswith("vllm."):
         base, module = package, module[len("vllm."):]
     else:

@@ -58,7 +58,7 @@ def test_the_branch_an_nvidia_gpu_takes_decides(tmp_path):
     builds a compiled one from elsewhere compiles; a module that defines nothing it can tell of is no answer."""
     pkg = package(tmp_path, {
         "model_executor/models/registry.py": '_MODELS = {"A": ("vllm.models.a", "A"), "B": ("vllm.models.b", "B"),'
-                                             ' "C": ("c", "C"), "D": ("vllm.models.d", "D")}\n',
+                                             ' "C": ("c", "C"), "D": ("vllm.models.d", "D"), "E": ("vllm.models.e", "E")}\n',
         "models/a/__init__.py": "if current_platform.is_rocm():\n    from .amd.model import A\n"
                                 "else:\n    from .nvidia.model import A\n",
         "models/a/amd/model.py": "@support_torch_compile\nclass A:\n    pass\n",
@@ -72,12 +72,16 @@ def test_the_branch_an_nvidia_gpu_takes_decides(tmp_path):
                                     "class B:\n    def __init__(self):\n        self.model = Inner()\n",
         "model_executor/models/c.py": "class C:\n    pass\n",
         "models/d/__init__.py": "from .loader import load\nD = load()\n",
+        "models/e/__init__.py": "if current_platform.is_cuda():\n    from .nvidia.model import E\n",
+        "models/e/nvidia/model.py": "from ..common.core import Core\nclass E(Core):\n    pass\n",
+        "models/e/common/core.py": "@support_torch_compile\nclass Core:\n    pass\n",
     })
     can, why = compiles(pkg, "A")
     assert can is False and why.startswith(f"{pkg / 'models' / 'a' / 'nvidia' / 'model.py'}: ")
     assert compiles(pkg, "B") == (True, f"{pkg / 'models' / 'b' / 'nvidia' / 'model.py'}: uses Backbone of "
                                         f"{pkg / 'model_executor' / 'models' / 'base.py'}, compiled with "
                                         "@support_torch_compile")
+    assert compiles(pkg, "E")[0] is True  # extends a compiled class two folders up
     assert compiles(pkg, "C")[0] is None  # shared by every platform: it may build its model by the registry
     assert compiles(pkg, "D")[0] is None
 
