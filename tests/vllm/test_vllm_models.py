@@ -97,5 +97,7 @@ def test_the_command_reads_the_served_models_architecture(tmp_path, vllm_newest)
     assert unknown.returncode == 0 and "names no architecture" in unknown.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     failed = cli("--package", str(vllm_newest), "compiles", str(bad))
     assert failed.returncode == 1 and f"{bad}" in failed.stderr and "YAML syntax error" in failed.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # a precondition only reads
